@@ -1,0 +1,274 @@
+//! Supervision of child processes (the cache service and one worker per model): spawn, wait for
+//! gRPC health, restart with exponential backoff when one dies, stop them on shutdown.
+//! Each child is owned by one task; others see its state through a `watch` channel.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use strata_proto::kvcache::kv_cache_client::KvCacheClient;
+use strata_proto::worker::worker_client::WorkerClient;
+use tokio::process::{Child, Command};
+use tokio::sync::watch;
+
+/// Which gRPC service a child answers health checks on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ChildKind {
+    KvCache,
+    Worker,
+}
+
+/// How to start one child process.
+#[derive(Debug, Clone)]
+pub struct ChildSpec {
+    pub name: String,
+    pub kind: ChildKind,
+    pub program: PathBuf,
+    pub args: Vec<String>,
+    pub socket: PathBuf,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Phase {
+    Starting,
+    Ready,
+    Restarting,
+    Stopped,
+}
+
+/// What the rest of the gateway can see of a child.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChildState {
+    pub name: String,
+    pub kind: ChildKind,
+    pub phase: Phase,
+    pub pid: Option<u32>,
+    pub restarts: u32,
+    /// The last exit status or start failure, for operators.
+    pub last_error: Option<String>,
+    /// What the child reported in its last health answer (e.g. MLX version and device).
+    pub detail: Option<String>,
+}
+
+/// Restart delays: 0.5 s doubling to 30 s; a child that stayed up a minute starts over at 0.5 s.
+#[derive(Debug, Clone)]
+pub struct Backoff {
+    pub initial: Duration,
+    pub max: Duration,
+    pub stable_after: Duration,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Self {
+            initial: Duration::from_millis(500),
+            max: Duration::from_secs(30),
+            stable_after: Duration::from_secs(60),
+        }
+    }
+}
+
+impl Backoff {
+    fn next(&self, current: Duration, uptime: Duration) -> Duration {
+        if uptime >= self.stable_after {
+            self.initial
+        } else {
+            (current * 2).min(self.max)
+        }
+    }
+}
+
+/// How long a child gets to answer its first health check, and to exit after SIGTERM.
+const READY_TIMEOUT: Duration = Duration::from_secs(120);
+const STOP_GRACE: Duration = Duration::from_secs(10);
+
+/// Starts supervising `spec` in its own task. The task stops the child and returns when
+/// `shutdown` turns true.
+pub fn supervise(
+    spec: ChildSpec,
+    backoff: Backoff,
+    mut shutdown: watch::Receiver<bool>,
+) -> (watch::Receiver<ChildState>, tokio::task::JoinHandle<()>) {
+    let (state_tx, state_rx) = watch::channel(ChildState {
+        name: spec.name.clone(),
+        kind: spec.kind,
+        phase: Phase::Starting,
+        pid: None,
+        restarts: 0,
+        last_error: None,
+        detail: None,
+    });
+    let task = tokio::spawn(async move {
+        let mut delay = backoff.initial;
+        loop {
+            let started = Instant::now();
+            let result = run_once(&spec, &state_tx, &mut shutdown).await;
+            if *shutdown.borrow() {
+                break;
+            }
+            let error = match result {
+                Ok(status) => format!("exited: {status}"),
+                Err(e) => e,
+            };
+            tracing::warn!(child = %spec.name, error = %error, "child down; restarting in {delay:?}");
+            state_tx.send_modify(|s| {
+                s.phase = Phase::Restarting;
+                s.pid = None;
+                s.restarts += 1;
+                s.last_error = Some(error);
+            });
+            tokio::select! {
+                _ = tokio::time::sleep(delay) => {}
+                _ = shutdown.changed() => break,
+            }
+            delay = backoff.next(delay, started.elapsed());
+        }
+        state_tx.send_modify(|s| {
+            s.phase = Phase::Stopped;
+            s.pid = None;
+        });
+    });
+    (state_rx, task)
+}
+
+/// Runs the child once: spawn, wait for health, wait for exit or shutdown.
+async fn run_once(
+    spec: &ChildSpec,
+    state: &watch::Sender<ChildState>,
+    shutdown: &mut watch::Receiver<bool>,
+) -> Result<std::process::ExitStatus, String> {
+    let mut child = Command::new(&spec.program)
+        .args(&spec.args)
+        .stdin(Stdio::null())
+        // Own process group: a terminal Ctrl-C reaches only the gateway, which stops children in order.
+        .process_group(0)
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| format!("spawn {}: {e}", spec.program.display()))?;
+    let pid = child.id();
+    state.send_modify(|s| {
+        s.phase = Phase::Starting;
+        s.pid = pid;
+    });
+    tracing::info!(child = %spec.name, pid, "started");
+
+    let ready = wait_ready(spec, &mut child, shutdown);
+    match ready.await {
+        Ok(detail) => {
+            tracing::info!(child = %spec.name, %detail, "ready");
+            state.send_modify(|s| {
+                s.phase = Phase::Ready;
+                s.detail = Some(detail);
+            });
+        }
+        Err(e) if *shutdown.borrow() => {
+            stop(&spec.name, &mut child).await;
+            return Err(e);
+        }
+        Err(e) => {
+            stop(&spec.name, &mut child).await;
+            return Err(e);
+        }
+    }
+
+    tokio::select! {
+        status = child.wait() => status.map_err(|e| format!("wait: {e}")),
+        _ = shutdown.changed() => {
+            stop(&spec.name, &mut child).await;
+            Err("stopped".into())
+        }
+    }
+}
+
+/// Polls the child's Health RPC until it answers, the child exits, or the timeout passes.
+async fn wait_ready(
+    spec: &ChildSpec,
+    child: &mut Child,
+    shutdown: &mut watch::Receiver<bool>,
+) -> Result<String, String> {
+    let deadline = Instant::now() + READY_TIMEOUT;
+    loop {
+        if let Some(status) = child.try_wait().map_err(|e| format!("wait: {e}"))? {
+            return Err(format!("exited before ready: {status}"));
+        }
+        if let Ok(detail) = probe(spec).await {
+            return Ok(detail);
+        }
+        if Instant::now() > deadline {
+            return Err(format!("not healthy after {READY_TIMEOUT:?}"));
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+            _ = shutdown.changed() => return Err("shutdown while starting".into()),
+        }
+    }
+}
+
+/// One health check over the child's Unix socket, with a deadline.
+pub async fn probe(spec: &ChildSpec) -> Result<String, tonic::Status> {
+    let channel = strata_runtime::uds::channel(&spec.socket, Duration::from_secs(1));
+    let deadline = Duration::from_secs(2);
+    match spec.kind {
+        ChildKind::KvCache => {
+            let mut req = tonic::Request::new(strata_proto::kvcache::HealthRequest {});
+            req.set_timeout(deadline);
+            let r = KvCacheClient::new(channel).health(req).await?.into_inner();
+            Ok(format!("{} v{}", r.status, r.version))
+        }
+        ChildKind::Worker => {
+            let mut req = tonic::Request::new(strata_proto::worker::HealthRequest {});
+            req.set_timeout(deadline);
+            let r = WorkerClient::new(channel).health(req).await?.into_inner();
+            Ok(format!(
+                "{} v{}, mlx {} on {}",
+                r.status, r.version, r.mlx_version, r.device
+            ))
+        }
+    }
+}
+
+/// SIGTERM, then SIGKILL if the child has not exited after the grace period.
+async fn stop(name: &str, child: &mut Child) {
+    if let Some(pid) = child.id() {
+        // SAFETY: kill(2) on the pid of a child we own and have not reaped yet.
+        unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) };
+        match tokio::time::timeout(STOP_GRACE, child.wait()).await {
+            Ok(status) => {
+                tracing::info!(child = %name, status = ?status.ok(), "stopped");
+                return;
+            }
+            Err(_) => tracing::warn!(child = %name, "did not stop after SIGTERM; killing"),
+        }
+    }
+    let _ = child.kill().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_up_to_the_cap_and_resets_when_stable() {
+        let b = Backoff::default();
+        let short = Duration::from_secs(1);
+        assert_eq!(
+            b.next(Duration::from_millis(500), short),
+            Duration::from_secs(1)
+        );
+        assert_eq!(
+            b.next(Duration::from_secs(20), short),
+            Duration::from_secs(30)
+        );
+        assert_eq!(
+            b.next(Duration::from_secs(30), short),
+            Duration::from_secs(30)
+        );
+        assert_eq!(
+            b.next(Duration::from_secs(30), Duration::from_secs(61)),
+            b.initial
+        );
+    }
+}

@@ -1,0 +1,12 @@
+# Where setup puts things, shared by the setup script, the Makefile and CI.
+# Override any of these in the environment; the build scripts read the same variables.
+: "${STRATA_CACHE:=$HOME/.cache/strata}"
+MLX_VERSION=0.32.2
+MLXC_VERSION=0.7.0
+: "${STRATA_MLX_DIR:=$STRATA_CACHE/mlx-cpu-$MLX_VERSION/mlx}"
+: "${STRATA_MLXC_DIR:=$STRATA_CACHE/mlx-c-$MLXC_VERSION}"
+: "${STRATA_MODELS:=$STRATA_CACHE/models}"
+: "${STRATA_VENV:=$STRATA_CACHE/venv}"
+SMOLLM2_FILE=smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
+MINILM_DIR=all-minilm-l6-v2
+export STRATA_CACHE STRATA_MLX_DIR STRATA_MLXC_DIR STRATA_MODELS STRATA_VENV

@@ -1,0 +1,3 @@
+//! `strata-kvcache`: holds KV blocks for every worker and outlives them (DESIGN.md sections 2-4).
+
+pub mod grpc;

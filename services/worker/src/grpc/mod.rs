@@ -1,0 +1,5 @@
+//! The worker's gRPC server (`strata.worker.v1.Worker`), served on a Unix socket.
+
+mod service;
+
+pub use service::{ModelInfo, WorkerService};

@@ -1,0 +1,5 @@
+//! `strata-worker`: one process per loaded model, running MLX through mlx-rs behind gRPC.
+
+pub mod blas_env;
+pub mod grpc;
+pub mod mlx_device;

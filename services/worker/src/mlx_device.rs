@@ -1,0 +1,43 @@
+//! What MLX runs on in this process: which library was loaded and whether it has a GPU.
+
+use mlx_rs::{Device, Stream};
+
+/// The MLX library's own version string (from the libmlx actually loaded at run time).
+pub fn mlx_version() -> String {
+    // SAFETY: mlx_version fills a string handle that we own and free here.
+    unsafe {
+        let mut s = mlx_sys::mlx_string_new();
+        let text = if mlx_sys::mlx_version(&mut s) == 0 {
+            let ptr = mlx_sys::mlx_string_data(s);
+            if ptr.is_null() {
+                String::new()
+            } else {
+                std::ffi::CStr::from_ptr(ptr).to_string_lossy().into_owned()
+            }
+        } else {
+            String::new()
+        };
+        mlx_sys::mlx_string_free(s);
+        text
+    }
+}
+
+/// "gpu" when the loaded libmlx has a usable GPU backend (Metal or CUDA), else "cpu".
+/// `Device::gpu()` inside `with_device` panics on a CPU-only libmlx, so we probe for a stream.
+pub fn default_device_kind() -> &'static str {
+    if Stream::try_default_on_device(&Device::gpu()).is_ok() {
+        "gpu"
+    } else {
+        "cpu"
+    }
+}
+
+/// Makes the CPU the default device when no GPU backend is present, so that every later op
+/// lands on a device that exists.
+pub fn select_default_device() -> &'static str {
+    let kind = default_device_kind();
+    if kind == "cpu" {
+        Device::set_default(&Device::cpu());
+    }
+    kind
+}

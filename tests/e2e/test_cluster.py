@@ -1,0 +1,119 @@
+"""`strata up` starts the cache service and a worker, reports them healthy over HTTP, restarts a
+worker that is killed, and stops everything cleanly on SIGTERM."""
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+
+def get_health(port: int):
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+    except OSError:
+        return None, None
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(0.1)
+    pytest.fail(f"timed out waiting for {what}; last: {last!r}")
+
+
+@pytest.fixture
+def cluster(bin_dir, default_model, free_port, tmp_path):
+    run_dir = tmp_path / "run"
+    log = open(tmp_path / "strata.log", "wb")
+    proc = subprocess.Popen(
+        [bin_dir / "strata", "up", "--bind", f"127.0.0.1:{free_port}",
+         "--model", str(default_model), "--run-dir", str(run_dir)],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    yield proc, free_port, run_dir
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    log.close()
+    print((tmp_path / "strata.log").read_text())
+
+
+def ready(port):
+    status, body = get_health(port)
+    return body if status == 200 else None
+
+
+def test_up_serves_health_restarts_a_killed_worker_and_stops_on_sigterm(cluster):
+    proc, port, run_dir = cluster
+    body = wait_for(lambda: ready(port), 60, "all children ready")
+    assert body["status"] == "ok"
+    by_name = {c["name"]: c for c in body["children"]}
+    assert set(by_name) == {"kvcache", "worker-0"}
+    worker = by_name["worker-0"]
+    # The worker answered its gRPC health with the MLX library it really loaded.
+    assert "mlx 0.32.2 on cpu" in worker["detail"], worker
+    for name in ("kvcache.sock", "worker-0.sock"):
+        mode = os.stat(run_dir / name).st_mode & 0o777
+        assert mode == 0o600, f"{name} has mode {oct(mode)}"
+
+    # kill -9 the worker: the gateway stays up, reports it, and brings it back.
+    os.kill(worker["pid"], signal.SIGKILL)
+    def restarted():
+        status, b = get_health(port)
+        if status != 200:
+            return None
+        w = {c["name"]: c for c in b["children"]}["worker-0"]
+        return w if w["restarts"] >= 1 and w["pid"] != worker["pid"] else None
+    again = wait_for(restarted, 60, "worker restarted")
+    assert "exited" in again["last_error"]
+    assert proc.poll() is None, "the gateway must survive a worker's death"
+
+    pids = [c["pid"] for c in get_health(port)[1]["children"]]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert not (run_dir / "worker-0.sock").exists()
+    assert not (run_dir / "kvcache.sock").exists()
+
+
+@pytest.mark.parametrize("binary", ["strata", "strata-worker", "strata-kvcache"])
+def test_every_binary_answers_help(bin_dir, binary):
+    out = subprocess.run([bin_dir / binary, "--help"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert "Usage:" in out.stdout
+
+
+@pytest.mark.parametrize("binary,args", [
+    ("strata-worker", ["serve"]),
+    ("strata-kvcache", ["serve"]),
+])
+def test_services_exit_cleanly_on_sigterm(bin_dir, tmp_path, binary, args):
+    sock = tmp_path / f"{binary}.sock"
+    proc = subprocess.Popen([bin_dir / binary, *args, "--socket", str(sock)],
+                            stderr=subprocess.PIPE)
+    wait_for(lambda: sock.exists(), 30, f"{binary} socket")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=15) == 0, proc.stderr.read().decode()
+    assert not sock.exists()
+
+
+def test_up_refuses_a_missing_model_clearly(bin_dir, free_port, tmp_path):
+    out = subprocess.run(
+        [bin_dir / "strata", "up", "--bind", f"127.0.0.1:{free_port}",
+         "--model", str(tmp_path / "nope.gguf"), "--run-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=30)
+    assert out.returncode != 0
+    assert "nope.gguf not found" in out.stderr
