@@ -2,7 +2,8 @@
 //! wheels), instead of building MLX itself as the published crate does.
 //!
 //! Inputs (environment, all optional):
-//! - `STRATA_MLX_DIR`: the wheel's `mlx` folder, holding `include/` and `lib/libmlx.{so,dylib}`.
+//! - `STRATA_MLX_DIR`: the wheel's `mlx` folder, holding `include/` and `lib/libmlx.{so,dylib}`
+//!   (on macOS `mlx.metallib` sits beside `libmlx.dylib`, where MLX looks for it).
 //! - `STRATA_MLXC_DIR`: the mlx-c 0.7.0 sources (`scripts/setup` fetches them with cargo vendor).
 //! - `STRATA_CACHE`: where `scripts/setup` put both (default `~/.cache/strata`).
 //!
@@ -40,9 +41,15 @@ fn main() {
     println!("cargo:rerun-if-env-changed=STRATA_CACHE");
     println!("cargo:rerun-if-changed=src/compat.h");
     let cache = cache_dir();
+    // Same defaults as scripts/paths.sh: the Metal wheel on macOS, the CPU wheel elsewhere
+    // (CUDA machines build against the CPU wheel and load the CUDA libmlx at run time).
+    let wheel = match env::var("CARGO_CFG_TARGET_OS").as_deref() {
+        Ok("macos") => "mlx-metal",
+        _ => "mlx-cpu",
+    };
     let mlx_dir = dir_from_env(
         "STRATA_MLX_DIR",
-        cache.join(format!("mlx-cpu-{MLX_VERSION}")).join("mlx"),
+        cache.join(format!("{wheel}-{MLX_VERSION}")).join("mlx"),
     );
     let mlxc_dir = dir_from_env(
         "STRATA_MLXC_DIR",

@@ -13,9 +13,15 @@ use std::ffi::OsString;
 /// Set in the re-executed process so that it does not re-execute again.
 pub const APPLIED_MARKER: &str = "STRATA_BLAS_ENV";
 
-/// One OpenBLAS thread per process. On 2 cores, two threads made decode-sized products
-/// (gemv, small GEMM) slower and fight with the other processes; see the README table.
-pub const DEFAULT_THREADS: &str = "1";
+/// One OpenBLAS thread per core this process may run on. Measured on 2 cores
+/// (`cargo bench --bench blas_threads`, table in the README): 2 threads beat 1 on every shape
+/// the engine meets, about 1.5x on prefill GEMMs and 2x on decode's x @ W.T.
+pub fn default_threads() -> String {
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+        .to_string()
+}
 
 /// The OpenBLAS kernel family for a CPU with these `/proc/cpuinfo` flags, if it needs naming.
 /// Debian's OpenBLAS 0.3.21 does not recognise recent Intel CPUs and falls back to SSE3
@@ -51,7 +57,7 @@ pub fn missing_vars(
         }
     }
     if get("OPENBLAS_NUM_THREADS").is_none() {
-        vars.push(("OPENBLAS_NUM_THREADS", DEFAULT_THREADS.to_string()));
+        vars.push(("OPENBLAS_NUM_THREADS", default_threads()));
     }
     vars
 }
@@ -113,7 +119,7 @@ mod tests {
             |k| (k == "OPENBLAS_CORETYPE").then(|| "Haswell".into()),
             SAPPHIRE,
         );
-        assert_eq!(vars, vec![("OPENBLAS_NUM_THREADS", "1".to_string())]);
+        assert_eq!(vars, vec![("OPENBLAS_NUM_THREADS", default_threads())]);
         assert!(missing_vars(|_| Some("x".into()), SAPPHIRE).is_empty());
     }
 
