@@ -1,5 +1,8 @@
 //! `strata-worker`: one process per loaded model, running MLX through mlx-rs behind gRPC.
 
 pub mod blas_env;
+pub mod engine;
 pub mod grpc;
 pub mod mlx_device;
+pub mod template;
+pub mod tokenizer;

@@ -5,7 +5,12 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use strata_proto::worker::worker_server::WorkerServer;
+use strata_worker::engine::DtypePolicy;
+use strata_worker::engine::generate::{EngineOptions, GenerateRequest};
+use strata_worker::engine::loader::{self, LoadedModel};
+use strata_worker::engine::sample::SamplingParams;
 use strata_worker::grpc::{ModelInfo, WorkerService};
+use strata_worker::template::ChatMessage;
 use strata_worker::{blas_env, mlx_device};
 
 #[derive(Parser)]
@@ -32,6 +37,84 @@ enum Command {
     },
     /// Print which MLX library and device this process gets, then exit.
     Probe,
+    /// Generate a completion for a prompt and print it (streamed as it is produced).
+    Generate {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// The prompt text.
+        #[arg(long)]
+        prompt: String,
+        /// Wrap the prompt as one user message in the model's chat template.
+        #[arg(long)]
+        chat: bool,
+        /// System message (with --chat).
+        #[arg(long, requires = "chat")]
+        system: Option<String>,
+        #[arg(long, default_value_t = 128)]
+        max_tokens: usize,
+        /// 0 is greedy decoding.
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f32,
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f32,
+        #[arg(long, default_value_t = 0)]
+        top_k: usize,
+        #[arg(long)]
+        seed: Option<u64>,
+        /// Stop before this string (repeatable).
+        #[arg(long)]
+        stop: Vec<String>,
+        /// Print the generated token ids and timings after the text.
+        #[arg(long)]
+        verbose: bool,
+    },
+    /// Print the token ids of a text, as the model's tokenizer splits it.
+    Tokenize {
+        #[command(flatten)]
+        model: ModelArgs,
+        text: String,
+    },
+}
+
+#[derive(clap::Args)]
+struct ModelArgs {
+    /// GGUF file or Hugging Face / MLX safetensors folder.
+    #[arg(long)]
+    model: PathBuf,
+    /// f32 (CPU default), quantized-f16 or quantized-bf16 (GPU default).
+    #[arg(long)]
+    dtype_policy: Option<DtypePolicy>,
+    /// Tokens per KV block (and prefill chunks are whole blocks).
+    #[arg(long, default_value_t = 256)]
+    block_tokens: usize,
+    /// Tokens per prefill pass (rounded down to whole blocks).
+    #[arg(long, default_value_t = strata_worker::engine::generate::DEFAULT_PREFILL_CHUNK_TOKENS)]
+    prefill_chunk_tokens: usize,
+}
+
+impl ModelArgs {
+    fn open(&self, device: &str) -> anyhow::Result<LoadedModel> {
+        let policy = self
+            .dtype_policy
+            .unwrap_or_else(|| DtypePolicy::for_device(device));
+        let started = std::time::Instant::now();
+        let model = loader::open(&self.model, policy, self.block_tokens)
+            .with_context(|| format!("loading {}", self.model.display()))?;
+        tracing::info!(
+            model = %self.model.display(),
+            policy = %policy,
+            seconds = started.elapsed().as_secs_f32(),
+            "model loaded"
+        );
+        Ok(model)
+    }
+
+    fn options(&self) -> EngineOptions {
+        EngineOptions {
+            prefill_chunk_tokens: self.prefill_chunk_tokens,
+            ..EngineOptions::default()
+        }
+    }
 }
 
 fn main() -> anyhow::Result<()> {
@@ -51,6 +134,74 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Probe => {
             println!("mlx {} on {}", info.mlx_version, info.device);
+            Ok(())
+        }
+        Command::Tokenize { model, text } => {
+            let loaded = model.open(&info.device)?;
+            let ids = loaded.tokenizer.encode(&text)?;
+            println!("{ids:?}");
+            Ok(())
+        }
+        Command::Generate {
+            model,
+            prompt,
+            chat,
+            system,
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            stop,
+            verbose,
+        } => {
+            let loaded = model.open(&info.device)?;
+            let text = if chat {
+                let mut messages = Vec::new();
+                if let Some(system) = system {
+                    messages.push(ChatMessage::text("system", &system));
+                }
+                messages.push(ChatMessage::text("user", &prompt));
+                loaded.template.render(&messages, true, None)?
+            } else {
+                prompt
+            };
+            let request = GenerateRequest {
+                prompt: loaded.tokenizer.encode(&text)?,
+                max_tokens,
+                sampling: SamplingParams {
+                    temperature,
+                    top_p,
+                    top_k,
+                    seed,
+                    ..SamplingParams::default()
+                },
+                stop,
+                stop_token_ids: Vec::new(),
+                ignore_eos: false,
+            };
+            use std::io::Write;
+            let mut stdout = std::io::stdout();
+            let generation = loaded.generate(&request, &model.options(), |event| {
+                let _ = stdout.write_all(event.text.as_bytes());
+                let _ = stdout.flush();
+                true
+            })?;
+            println!();
+            if verbose {
+                let t = &generation.timings;
+                println!("tokens: {:?}", generation.tokens);
+                println!(
+                    "finish: {:?}; prompt {} tokens, prefill {:.0} ms ({:.1} tok/s), {} generated in {:.0} ms ({:.1} tok/s)",
+                    generation.finish,
+                    generation.prompt_tokens,
+                    t.prefill.as_secs_f64() * 1e3,
+                    generation.prompt_tokens as f64 / t.prefill.as_secs_f64(),
+                    generation.tokens.len(),
+                    t.decode.as_secs_f64() * 1e3,
+                    generation.tokens.len() as f64 / t.decode.as_secs_f64().max(1e-9),
+                );
+            }
             Ok(())
         }
         Command::Serve { socket, model } => {

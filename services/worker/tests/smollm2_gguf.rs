@@ -25,7 +25,7 @@ fn meta_u32(file: &GgufFile, key: &str) -> u32 {
         .unwrap()
         .unwrap_or_else(|| panic!("metadata {key} missing"));
     assert_eq!(value.dtype(), Dtype::Uint32, "{key}");
-    value.item::<u32>()
+    value.item_exact::<u32>()
 }
 
 #[test]
@@ -50,7 +50,7 @@ fn smollm2_gguf_has_the_expected_tensors_shapes_and_tokenizer() {
         .get_metadata_array("llama.rope.freq_base")
         .unwrap()
         .unwrap();
-    assert_eq!(theta.item::<f32>(), 100_000.0);
+    assert_eq!(theta.item_exact::<f32>(), 100_000.0);
 
     // Tokenizer: GPT-2 byte-level BPE with the `smollm` pre-tokenizer, ChatML template.
     assert_eq!(

@@ -1,0 +1,351 @@
+//! One generation from start to end: validation, chunked prefill (chunk boundaries on block
+//! boundaries, so every finished block can be stored as it is computed), decode with sampling,
+//! stop tokens and stop strings, incremental detokenisation, usage and timings.
+
+use std::time::{Duration, Instant};
+
+use super::kv::KvCache;
+use super::llama::SeqChunk;
+use super::loader::LoadedModel;
+use super::sample::{Sampled, Sampler, SamplingParams};
+use super::{EngineError, Result};
+use crate::tokenizer::StreamDecoder;
+
+/// Prefill this many tokens per forward pass by default (rounded down to whole blocks).
+pub const DEFAULT_PREFILL_CHUNK_TOKENS: usize = 256;
+
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Generation ends before any of these strings; they are not part of the output.
+    pub stop: Vec<String>,
+    /// Generation ends after any of these tokens (besides the model's own stop tokens).
+    pub stop_token_ids: Vec<u32>,
+    /// Keep going past the model's EOS (benchmarks).
+    pub ignore_eos: bool,
+}
+
+impl GenerateRequest {
+    pub fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Self {
+        Self {
+            prompt,
+            max_tokens,
+            sampling: SamplingParams::default(),
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// A stop token or stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// The caller stopped listening.
+    Cancelled,
+}
+
+/// One generated token, as streamed.
+#[derive(Debug, Clone)]
+pub struct TokenEvent {
+    pub token: u32,
+    /// Text this token completes; may be empty (part of a character, or held back because it
+    /// may begin a stop string).
+    pub text: String,
+    pub sampled: Sampled,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Timings {
+    pub prefill: Duration,
+    pub decode: Duration,
+    pub time_to_first_token: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct Generation {
+    pub tokens: Vec<u32>,
+    pub text: String,
+    pub finish: FinishReason,
+    pub prompt_tokens: usize,
+    pub timings: Timings,
+    /// Log-probabilities of each generated token, when asked for.
+    pub logprobs: Vec<Sampled>,
+}
+
+/// Options of the engine itself (not of one request).
+#[derive(Debug, Clone, Copy)]
+pub struct EngineOptions {
+    pub prefill_chunk_tokens: usize,
+    /// KV buffers grow by this many tokens at a time.
+    pub kv_step_tokens: usize,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self {
+            prefill_chunk_tokens: DEFAULT_PREFILL_CHUNK_TOKENS,
+            kv_step_tokens: 256,
+        }
+    }
+}
+
+impl LoadedModel {
+    /// Checks a request against this model before anything is computed.
+    pub fn validate(&self, req: &GenerateRequest) -> Result<()> {
+        let invalid = |m: String| Err(EngineError::InvalidRequest(m));
+        let context = self.model.config().context_length;
+        if req.prompt.is_empty() {
+            return invalid("the prompt is empty".into());
+        }
+        if req.max_tokens == 0 {
+            return invalid("max_tokens must be at least 1".into());
+        }
+        if req.prompt.len() >= context {
+            return invalid(format!(
+                "the prompt has {} tokens; this model's context is {context}",
+                req.prompt.len()
+            ));
+        }
+        if req.prompt.len() + req.max_tokens > context {
+            return invalid(format!(
+                "prompt ({} tokens) plus max_tokens ({}) exceeds the context of {context} tokens",
+                req.prompt.len(),
+                req.max_tokens
+            ));
+        }
+        let vocab = self.model.config().vocab_size;
+        if let Some(bad) = req
+            .prompt
+            .iter()
+            .chain(&req.stop_token_ids)
+            .find(|&&t| t as usize >= vocab)
+        {
+            return invalid(format!(
+                "token id {bad} is outside the vocabulary of {vocab}"
+            ));
+        }
+        req.sampling.validate().map_err(EngineError::InvalidRequest)
+    }
+
+    /// The largest multiple of `block_tokens` not above the configured chunk (at least one block).
+    pub fn prefill_chunk(&self, options: &EngineOptions) -> usize {
+        let b = self.block_tokens;
+        (options.prefill_chunk_tokens / b).max(1) * b
+    }
+
+    /// Prefills `tokens` after what `cache` holds, in chunks whose ends fall on multiples of
+    /// the chunk size (a multiple of the block size), and returns the last position's logits.
+    pub fn prefill(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        options: &EngineOptions,
+        mut on_chunk: impl FnMut(&KvCache) -> Result<()>,
+    ) -> Result<Vec<f32>> {
+        let chunk = self.prefill_chunk(options);
+        let mut done = 0;
+        let mut logits = None;
+        while done < tokens.len() {
+            let at = cache.len();
+            let end_abs = ((at / chunk) + 1) * chunk;
+            let n = (end_abs - at).min(tokens.len() - done);
+            let out = self.model.forward(&mut [SeqChunk {
+                tokens: &tokens[done..done + n],
+                cache,
+            }])?;
+            out.eval()?;
+            done += n;
+            on_chunk(cache)?;
+            logits = Some(out);
+        }
+        let logits =
+            logits.ok_or_else(|| EngineError::InvalidRequest("nothing to prefill".into()))?;
+        Ok(logits.as_slice::<f32>().to_vec())
+    }
+
+    /// Runs one request to the end, calling `on_token` for each token (return false to stop).
+    pub fn generate(
+        &self,
+        req: &GenerateRequest,
+        options: &EngineOptions,
+        mut on_token: impl FnMut(&TokenEvent) -> bool,
+    ) -> Result<Generation> {
+        self.validate(req)?;
+        let started = Instant::now();
+        let mut cache = self.model.new_cache(options.kv_step_tokens);
+        let mut logits = self.prefill(&mut cache, &req.prompt, options, |_| Ok(()))?;
+        let prefill = started.elapsed();
+
+        let mut sampler = Sampler::new(req.sampling.clone(), &req.prompt);
+        let mut stops = StopMatcher::new(&req.stop);
+        let mut decoder = StreamDecoder::new(true);
+        let mut tokens = Vec::new();
+        let mut logprobs = Vec::new();
+        let mut text = String::new();
+        let mut ttft = None;
+        let finish = loop {
+            let sampled = sampler.sample(&logits);
+            let token = sampled.token;
+            ttft.get_or_insert_with(|| started.elapsed());
+            let is_stop_token = (!req.ignore_eos && self.stop_tokens.contains(&token))
+                || req.stop_token_ids.contains(&token);
+            if is_stop_token {
+                let tail = stops.finish(decoder.flush(&self.tokenizer)?.unwrap_or_default());
+                text.push_str(&tail);
+                // The stop token itself is not output text.
+                if !tail.is_empty() {
+                    on_token(&TokenEvent {
+                        token,
+                        text: tail,
+                        sampled: sampled.clone(),
+                    });
+                }
+                break FinishReason::Stop;
+            }
+            tokens.push(token);
+            if req.sampling.logprobs.is_some() {
+                logprobs.push(sampled.clone());
+            }
+            let delta = decoder.push(&self.tokenizer, token)?.unwrap_or_default();
+            let (emit, hit_stop) = stops.push(&delta);
+            text.push_str(&emit);
+            let go_on = on_token(&TokenEvent {
+                token,
+                text: emit,
+                sampled,
+            });
+            if hit_stop {
+                break FinishReason::Stop;
+            }
+            if !go_on {
+                break FinishReason::Cancelled;
+            }
+            if tokens.len() >= req.max_tokens {
+                let tail = stops.finish(decoder.flush(&self.tokenizer)?.unwrap_or_default());
+                if !tail.is_empty() {
+                    text.push_str(&tail);
+                    on_token(&TokenEvent {
+                        token,
+                        text: tail,
+                        sampled: logprobs.last().cloned().unwrap_or(Sampled {
+                            token,
+                            logprob: None,
+                            top: Vec::new(),
+                        }),
+                    });
+                }
+                break FinishReason::Length;
+            }
+            let out = self.model.forward(&mut [SeqChunk {
+                tokens: &[token],
+                cache: &mut cache,
+            }])?;
+            out.eval()?;
+            logits = out.as_slice::<f32>().to_vec();
+        };
+        let total = started.elapsed();
+        Ok(Generation {
+            prompt_tokens: req.prompt.len(),
+            tokens,
+            text,
+            finish,
+            timings: Timings {
+                prefill,
+                decode: total.saturating_sub(prefill),
+                time_to_first_token: ttft.unwrap_or(total),
+            },
+            logprobs,
+        })
+    }
+}
+
+/// Finds stop strings in streamed text. Text that might be the start of a stop string is held
+/// back until it is clear either way, so a stop string never reaches the caller.
+pub struct StopMatcher {
+    stops: Vec<String>,
+    held: String,
+}
+
+impl StopMatcher {
+    pub fn new(stops: &[String]) -> Self {
+        Self {
+            stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
+            held: String::new(),
+        }
+    }
+
+    /// Adds text; returns what may be released and whether a stop string was found (in which
+    /// case the released text ends right before it).
+    pub fn push(&mut self, delta: &str) -> (String, bool) {
+        self.held.push_str(delta);
+        if let Some(at) = self
+            .stops
+            .iter()
+            .filter_map(|s| self.held.find(s.as_str()))
+            .min()
+        {
+            let out = self.held[..at].to_string();
+            self.held.clear();
+            return (out, true);
+        }
+        // Keep the longest suffix that is a proper prefix of some stop string.
+        let keep = self
+            .stops
+            .iter()
+            .map(|s| {
+                (1..s.len())
+                    .rev()
+                    .filter(|&n| s.is_char_boundary(n))
+                    .find(|&n| self.held.ends_with(&s[..n]))
+                    .unwrap_or(0)
+            })
+            .max()
+            .unwrap_or(0);
+        let release = self.held.len() - keep;
+        let out = self.held[..release].to_string();
+        self.held.drain(..release);
+        (out, false)
+    }
+
+    /// At the end: everything still held (it can no longer become a stop string), plus `tail`.
+    pub fn finish(&mut self, tail: String) -> String {
+        let (mut out, hit) = self.push(&tail);
+        if !hit {
+            out.push_str(&self.held);
+        }
+        self.held.clear();
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_strings_are_cut_and_never_streamed() {
+        let mut m = StopMatcher::new(&["\n\nUser:".to_string()]);
+        assert_eq!(m.push("Hello"), ("Hello".into(), false));
+        assert_eq!(m.push(" there\n"), (" there".into(), false));
+        assert_eq!(m.push("\nUs"), ("".into(), false));
+        assert_eq!(m.push("er: hi"), ("".into(), true));
+    }
+
+    #[test]
+    fn held_text_is_released_when_it_diverges_or_ends() {
+        let mut m = StopMatcher::new(&["END".to_string()]);
+        assert_eq!(m.push("the E"), ("the ".into(), false));
+        assert_eq!(m.push("ND"), ("".into(), true));
+        let mut m = StopMatcher::new(&["END".to_string()]);
+        assert_eq!(m.push("the E"), ("the ".into(), false));
+        assert_eq!(m.push("xit"), ("Exit".into(), false));
+        assert_eq!(m.push(" E"), (" ".into(), false));
+        assert_eq!(m.finish(String::new()), "E");
+    }
+}

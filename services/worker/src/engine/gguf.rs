@@ -1,0 +1,166 @@
+//! Loading a GGUF file: tensors through MLX's own GGUF reader (which turns Q4_0, Q4_1 and Q8_0
+//! into MLX's affine quantised layout), hyper-parameters, tokenizer and chat template from the
+//! file's metadata.
+
+use std::path::Path;
+
+use mlx_rs::Dtype;
+use mlx_rs::io::GgufFile;
+
+use super::config::{Architecture, ModelConfig};
+use super::weights::TensorStore;
+use super::{EngineError, Result};
+use crate::tokenizer::GgufTokenizerSpec;
+
+/// GGUF's block size for Q4_0, Q4_1 and Q8_0: 32 values share a scale (and a minimum).
+const GGUF_GROUP_SIZE: i32 = 32;
+
+pub struct GgufModel {
+    pub config: ModelConfig,
+    pub tensors: TensorStore,
+    pub tokenizer: GgufTokenizerSpec,
+    pub chat_template: Option<String>,
+}
+
+struct Meta<'a>(&'a GgufFile);
+
+impl Meta<'_> {
+    fn string(&self, key: &str) -> Result<Option<String>> {
+        self.0
+            .get_metadata_string(key)
+            .map_err(|e| EngineError::Load(format!("metadata {key}: {e}")))
+    }
+
+    fn strings(&self, key: &str) -> Result<Option<Vec<String>>> {
+        self.0
+            .get_metadata_strings(key)
+            .map_err(|e| EngineError::Load(format!("metadata {key}: {e}")))
+    }
+
+    fn number(&self, key: &str) -> Result<Option<f64>> {
+        let Some(value) = self
+            .0
+            .get_metadata_array(key)
+            .map_err(|e| EngineError::Load(format!("metadata {key}: {e}")))?
+        else {
+            return Ok(None);
+        };
+        if value.size() != 1 {
+            return Err(EngineError::MissingMetadata(format!(
+                "{key} (expected one number)"
+            )));
+        }
+        let number = value
+            .try_item_cast::<f64>()
+            .map_err(|e| EngineError::Load(format!("metadata {key}: {e}")))?;
+        Ok(Some(number))
+    }
+
+    fn usize(&self, key: &str) -> Result<Option<usize>> {
+        Ok(self.number(key)?.map(|v| v as usize))
+    }
+
+    fn require_usize(&self, key: &str) -> Result<usize> {
+        self.usize(key)?
+            .ok_or_else(|| EngineError::MissingMetadata(key.to_string()))
+    }
+
+    fn ints(&self, key: &str) -> Result<Option<Vec<i32>>> {
+        let Some(value) = self
+            .0
+            .get_metadata_array(key)
+            .map_err(|e| EngineError::Load(format!("metadata {key}: {e}")))?
+        else {
+            return Ok(None);
+        };
+        let value = value.as_dtype(Dtype::Int32)?;
+        value.eval()?;
+        Ok(Some(value.as_slice::<i32>().to_vec()))
+    }
+}
+
+pub fn load(path: &Path) -> Result<GgufModel> {
+    let file =
+        GgufFile::load(path).map_err(|e| EngineError::Load(format!("{}: {e}", path.display())))?;
+    let meta = Meta(&file);
+    let arch_name = meta
+        .string("general.architecture")?
+        .ok_or_else(|| EngineError::MissingMetadata("general.architecture".into()))?;
+    let arch = Architecture::parse(&arch_name)?;
+    let key = |k: &str| format!("{arch_name}.{k}");
+
+    let tokens = meta
+        .strings("tokenizer.ggml.tokens")?
+        .ok_or_else(|| EngineError::MissingMetadata("tokenizer.ggml.tokens".into()))?;
+    let hidden_size = meta.require_usize(&key("embedding_length"))?;
+    let num_heads = meta.require_usize(&key("attention.head_count"))?;
+    let head_dim = match meta.usize(&key("attention.key_length"))? {
+        Some(d) => d,
+        None => hidden_size / num_heads.max(1),
+    };
+    if let Some(rot) = meta.usize(&key("rope.dimension_count"))?
+        && rot != head_dim
+    {
+        return Err(EngineError::Config(format!(
+            "partial rotary embeddings ({rot} of {head_dim} dims) are not supported"
+        )));
+    }
+    let rope_linear_factor = match meta.string(&key("rope.scaling.type"))?.as_deref() {
+        None | Some("none") => 1.0,
+        Some("linear") => meta.number(&key("rope.scaling.factor"))?.unwrap_or(1.0) as f32,
+        Some(other) => {
+            return Err(EngineError::Config(format!(
+                "unsupported rope scaling {other:?} (supported: linear)"
+            )));
+        }
+    };
+    let config = ModelConfig {
+        arch,
+        hidden_size,
+        intermediate_size: meta.require_usize(&key("feed_forward_length"))?,
+        num_layers: meta.require_usize(&key("block_count"))?,
+        num_heads,
+        num_kv_heads: meta
+            .usize(&key("attention.head_count_kv"))?
+            .unwrap_or(num_heads),
+        head_dim,
+        vocab_size: meta.usize(&key("vocab_size"))?.unwrap_or(tokens.len()),
+        rms_norm_eps: meta
+            .number(&key("attention.layer_norm_rms_epsilon"))?
+            .ok_or_else(|| EngineError::MissingMetadata(key("attention.layer_norm_rms_epsilon")))?
+            as f32,
+        rope_theta: meta.number(&key("rope.freq_base"))?.unwrap_or(10_000.0) as f32,
+        rope_linear_factor,
+        // llama.cpp's converter permutes Llama q/k rows for adjacent-pair RoPE; Qwen2 it leaves.
+        rope_traditional: arch == Architecture::Llama,
+        context_length: meta.require_usize(&key("context_length"))?,
+    };
+    config.validate()?;
+
+    let tokenizer = GgufTokenizerSpec {
+        model: meta
+            .string("tokenizer.ggml.model")?
+            .ok_or_else(|| EngineError::MissingMetadata("tokenizer.ggml.model".into()))?,
+        pre: meta
+            .string("tokenizer.ggml.pre")?
+            .unwrap_or_else(|| "default".into()),
+        merges: meta.strings("tokenizer.ggml.merges")?.unwrap_or_default(),
+        token_types: meta.ints("tokenizer.ggml.token_type")?.unwrap_or_default(),
+        bos: meta.usize("tokenizer.ggml.bos_token_id")?.map(|v| v as u32),
+        eos: meta.usize("tokenizer.ggml.eos_token_id")?.map(|v| v as u32),
+        add_bos: meta
+            .number("tokenizer.ggml.add_bos_token")?
+            .is_some_and(|v| v != 0.0),
+        tokens,
+    };
+    let chat_template = meta.string("tokenizer.chat_template")?;
+    let arrays = file
+        .arrays()
+        .map_err(|e| EngineError::Load(format!("{}: {e}", path.display())))?;
+    Ok(GgufModel {
+        config,
+        tensors: TensorStore::new(arrays, GGUF_GROUP_SIZE),
+        tokenizer,
+        chat_template,
+    })
+}

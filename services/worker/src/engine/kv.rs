@@ -1,0 +1,226 @@
+//! The per-sequence KV cache: one K and one V buffer per layer, `[1, kv_heads, capacity,
+//! head_dim]` in the policy's KV dtype, grown in steps of `step_tokens` (never per token) and
+//! written in place with slice updates. Block-aligned ranges export to and import from a flat
+//! byte layout without recomputation (what the cache service stores).
+
+use mlx_rs::ops::indexing::{TryIndexMutOp, TryIndexOp};
+use mlx_rs::ops::{concatenate, zeros_dtype};
+use mlx_rs::{Array, Dtype};
+
+use super::policy::dtype_bytes;
+use super::{EngineError, Result};
+
+/// Shape facts shared by every layer of a cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvLayout {
+    pub num_layers: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub dtype: Dtype,
+}
+
+impl KvLayout {
+    /// Bytes of one token's K and V across all layers.
+    pub fn bytes_per_token(&self) -> usize {
+        2 * self.num_layers * self.kv_heads * self.head_dim * dtype_bytes(self.dtype)
+    }
+
+    /// A stable description for fingerprints: any change makes old blocks unusable.
+    pub fn describe(&self) -> String {
+        format!(
+            "kv-v1 layers={} kv_heads={} head_dim={} dtype={:?} order=layer,kv,head,token,dim",
+            self.num_layers, self.kv_heads, self.head_dim, self.dtype
+        )
+    }
+}
+
+struct LayerKv {
+    keys: Array,
+    values: Array,
+}
+
+pub struct KvCache {
+    layout: KvLayout,
+    layers: Vec<Option<LayerKv>>,
+    len: usize,
+    capacity: usize,
+    step_tokens: usize,
+}
+
+impl KvCache {
+    pub fn new(layout: KvLayout, step_tokens: usize) -> Self {
+        Self {
+            layout,
+            layers: (0..layout.num_layers).map(|_| None).collect(),
+            len: 0,
+            capacity: 0,
+            step_tokens: step_tokens.max(1),
+        }
+    }
+
+    pub fn layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    /// Tokens held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Tokens the buffers can hold before they grow again.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Writes `keys`/`values` (`[1, kv_heads, t, head_dim]`) of `layer` after the tokens held,
+    /// and returns views of everything held for that layer, new tokens included. Call for every
+    /// layer, then `advance(t)` once.
+    pub fn append(&mut self, layer: usize, keys: &Array, values: &Array) -> Result<(Array, Array)> {
+        let t = keys.shape()[2] as usize;
+        let needed = self.len + t;
+        let start = self.len as i32;
+        let end = needed as i32;
+        let slot = self
+            .layers
+            .get_mut(layer)
+            .ok_or_else(|| EngineError::Config(format!("layer {layer} out of range")))?;
+        let step = self.step_tokens;
+        let layout = self.layout;
+        let grow_to = needed.div_ceil(step) * step;
+        match slot {
+            Some(kv) if (kv.keys.shape()[2] as usize) >= needed => {}
+            _ => {
+                let fresh = |old: Option<&Array>| -> Result<Array> {
+                    let shape = [
+                        1,
+                        layout.kv_heads as i32,
+                        grow_to as i32,
+                        layout.head_dim as i32,
+                    ];
+                    let zeros = zeros_dtype(&shape, layout.dtype)?;
+                    Ok(match old {
+                        Some(old) if start > 0 => {
+                            let held = old.try_index((.., .., 0..start, ..))?;
+                            let extra = [
+                                1,
+                                layout.kv_heads as i32,
+                                grow_to as i32 - start,
+                                layout.head_dim as i32,
+                            ];
+                            concatenate(&[held, zeros_dtype(&extra, layout.dtype)?], 2)?
+                        }
+                        _ => zeros,
+                    })
+                };
+                let keys = fresh(slot.as_ref().map(|kv| &kv.keys))?;
+                let values = fresh(slot.as_ref().map(|kv| &kv.values))?;
+                *slot = Some(LayerKv { keys, values });
+            }
+        }
+        let kv = slot
+            .as_mut()
+            .ok_or_else(|| EngineError::Mlx("kv slot".into()))?;
+        kv.keys
+            .try_index_mut((.., .., start..end, ..), keys.as_dtype(layout.dtype)?)?;
+        kv.values
+            .try_index_mut((.., .., start..end, ..), values.as_dtype(layout.dtype)?)?;
+        self.capacity = kv.keys.shape()[2] as usize;
+        Ok((
+            kv.keys.try_index((.., .., 0..end, ..))?,
+            kv.values.try_index((.., .., 0..end, ..))?,
+        ))
+    }
+
+    /// Marks `t` appended tokens as held (after every layer got them).
+    pub fn advance(&mut self, t: usize) {
+        self.len += t;
+    }
+
+    /// Forgets tokens after `len` (their slots are overwritten later).
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
+    /// Forces pending writes, so that later reads see materialised buffers.
+    pub fn eval(&self) -> Result<()> {
+        for kv in self.layers.iter().flatten() {
+            kv.keys.eval()?;
+            kv.values.eval()?;
+        }
+        Ok(())
+    }
+
+    /// Tokens `[start, end)` of every layer as one contiguous byte buffer in the live dtype,
+    /// ordered layer, K then V, head, token, dim.
+    pub fn export(&self, start: usize, end: usize) -> Result<Vec<u8>> {
+        if start > end || end > self.len {
+            return Err(EngineError::Config(format!(
+                "export of tokens {start}..{end} from a cache holding {}",
+                self.len
+            )));
+        }
+        let per_token = self.layout.bytes_per_token();
+        let mut out = Vec::with_capacity((end - start) * per_token);
+        for kv in &self.layers {
+            let kv = kv
+                .as_ref()
+                .ok_or_else(|| EngineError::Config("export from an empty cache".into()))?;
+            for buf in [&kv.keys, &kv.values] {
+                let slice = buf
+                    .try_index((.., .., start as i32..end as i32, ..))?
+                    .flatten(None, None)?
+                    .view::<u8>()?;
+                slice.eval()?;
+                out.extend_from_slice(
+                    slice
+                        .try_as_slice::<u8>()
+                        .map_err(|e| EngineError::Mlx(format!("reading KV bytes: {e}")))?,
+                );
+            }
+        }
+        Ok(out)
+    }
+
+    /// Appends `tokens` tokens given as bytes in `export`'s layout after the tokens held.
+    pub fn import(&mut self, bytes: &[u8], tokens: usize) -> Result<()> {
+        let l = self.layout;
+        let expected = tokens * l.bytes_per_token();
+        if bytes.len() != expected {
+            return Err(EngineError::Config(format!(
+                "KV import of {tokens} tokens needs {expected} bytes, got {}",
+                bytes.len()
+            )));
+        }
+        let per_buf = expected / (2 * l.num_layers);
+        let shape = [1, l.kv_heads as i32, tokens as i32, l.head_dim as i32];
+        for layer in 0..l.num_layers {
+            let at = |i: usize| -> Result<Array> {
+                let chunk = &bytes[(2 * layer + i) * per_buf..(2 * layer + i + 1) * per_buf];
+                let raw = Array::from_slice(chunk, &[chunk.len() as i32]);
+                Ok(view_as(&raw, l.dtype)?.reshape(&shape)?)
+            };
+            let (k, v) = (at(0)?, at(1)?);
+            self.append(layer, &k, &v)?;
+        }
+        self.advance(tokens);
+        Ok(())
+    }
+}
+
+/// Reinterprets raw bytes as `dtype` (no conversion).
+fn view_as(raw: &Array, dtype: Dtype) -> Result<Array> {
+    Ok(match dtype {
+        Dtype::Float32 => raw.view::<f32>()?,
+        Dtype::Float16 => raw.view::<half::f16>()?,
+        Dtype::Bfloat16 => raw.view::<half::bf16>()?,
+        other => {
+            return Err(EngineError::Config(format!(
+                "unsupported KV dtype {other:?}"
+            )));
+        }
+    })
+}

@@ -1,0 +1,307 @@
+//! The Llama-family decoder (Llama / SmolLM2, and Qwen2, which adds q/k/v biases): pre-norm
+//! blocks of grouped-query attention with RoPE and a SwiGLU MLP.
+//!
+//! `forward` runs a *ragged batch*: several sequences, each with its own new tokens and its own
+//! KV cache at its own offset, in one pass. Projections and MLPs run once over all tokens (the
+//! matrix products that dominate the cost); attention runs per sequence against its own cache.
+//! A batch can mix prefill chunks and single decode tokens.
+
+use mlx_rs::fast::{self, ScaledDotProductAttentionMask};
+use mlx_rs::ops::concatenate;
+use mlx_rs::ops::indexing::TryIndexOp;
+use mlx_rs::{Array, Dtype};
+
+use super::config::ModelConfig;
+use super::kv::{KvCache, KvLayout};
+use super::policy::DtypePolicy;
+use super::weights::{Linear, Matrix, TensorStore};
+use super::{EngineError, Result};
+
+/// How a file names its tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TensorNaming {
+    /// llama.cpp's names: `token_embd`, `blk.N.attn_q`, ...
+    Gguf,
+    /// Hugging Face / mlx-lm names: `model.embed_tokens`, `model.layers.N.self_attn.q_proj`, ...
+    HuggingFace,
+}
+
+impl TensorNaming {
+    fn embed(self) -> &'static str {
+        match self {
+            Self::Gguf => "token_embd",
+            Self::HuggingFace => "model.embed_tokens",
+        }
+    }
+    fn final_norm(self) -> &'static str {
+        match self {
+            Self::Gguf => "output_norm.weight",
+            Self::HuggingFace => "model.norm.weight",
+        }
+    }
+    fn head(self) -> &'static str {
+        match self {
+            Self::Gguf => "output",
+            Self::HuggingFace => "lm_head",
+        }
+    }
+    fn layer(self, i: usize, part: &str) -> String {
+        let hf = |p: &str| format!("model.layers.{i}.{p}");
+        let gguf = |p: &str| format!("blk.{i}.{p}");
+        match (self, part) {
+            (Self::Gguf, "attn_norm") => gguf("attn_norm.weight"),
+            (Self::Gguf, "mlp_norm") => gguf("ffn_norm.weight"),
+            (Self::Gguf, "q") => gguf("attn_q"),
+            (Self::Gguf, "k") => gguf("attn_k"),
+            (Self::Gguf, "v") => gguf("attn_v"),
+            (Self::Gguf, "o") => gguf("attn_output"),
+            (Self::Gguf, "gate") => gguf("ffn_gate"),
+            (Self::Gguf, "up") => gguf("ffn_up"),
+            (Self::Gguf, "down") => gguf("ffn_down"),
+            (Self::HuggingFace, "attn_norm") => hf("input_layernorm.weight"),
+            (Self::HuggingFace, "mlp_norm") => hf("post_attention_layernorm.weight"),
+            (Self::HuggingFace, "q") => hf("self_attn.q_proj"),
+            (Self::HuggingFace, "k") => hf("self_attn.k_proj"),
+            (Self::HuggingFace, "v") => hf("self_attn.v_proj"),
+            (Self::HuggingFace, "o") => hf("self_attn.o_proj"),
+            (Self::HuggingFace, "gate") => hf("mlp.gate_proj"),
+            (Self::HuggingFace, "up") => hf("mlp.up_proj"),
+            (Self::HuggingFace, "down") => hf("mlp.down_proj"),
+            (_, other) => format!("unknown part {other}"),
+        }
+    }
+}
+
+struct Layer {
+    attn_norm: Array,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    mlp_norm: Array,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+pub struct Model {
+    config: ModelConfig,
+    policy: DtypePolicy,
+    embed: Matrix,
+    /// `None` when the output head is tied to the embeddings.
+    head: Option<Matrix>,
+    final_norm: Array,
+    layers: Vec<Layer>,
+}
+
+/// One sequence's part of a ragged batch: its new tokens and its cache.
+pub struct SeqChunk<'a> {
+    pub tokens: &'a [u32],
+    pub cache: &'a mut KvCache,
+}
+
+impl Model {
+    pub fn load(
+        config: ModelConfig,
+        store: &TensorStore,
+        naming: TensorNaming,
+        policy: DtypePolicy,
+    ) -> Result<Self> {
+        config.validate()?;
+        let mut layers = Vec::with_capacity(config.num_layers);
+        for i in 0..config.num_layers {
+            let name = |part| naming.layer(i, part);
+            let layer = Layer {
+                attn_norm: store.vector(&name("attn_norm"), policy)?,
+                q: store.linear(&name("q"), policy)?,
+                k: store.linear(&name("k"), policy)?,
+                v: store.linear(&name("v"), policy)?,
+                o: store.linear(&name("o"), policy)?,
+                mlp_norm: store.vector(&name("mlp_norm"), policy)?,
+                gate: store.linear(&name("gate"), policy)?,
+                up: store.linear(&name("up"), policy)?,
+                down: store.linear(&name("down"), policy)?,
+            };
+            // Materialise layer by layer: dequantising everything lazily first would hold the
+            // packed and the expanded weights at once.
+            for m in [
+                &layer.q,
+                &layer.k,
+                &layer.v,
+                &layer.o,
+                &layer.gate,
+                &layer.up,
+                &layer.down,
+            ] {
+                eval_matrix(&m.matrix)?;
+            }
+            layers.push(layer);
+        }
+        let embed = store.matrix(naming.embed(), policy)?;
+        eval_matrix(&embed)?;
+        let head_weight = format!("{}.weight", naming.head());
+        let head = if store.contains(&head_weight) {
+            let head = store.matrix(naming.head(), policy)?;
+            eval_matrix(&head)?;
+            Some(head)
+        } else {
+            None
+        };
+        let final_norm = store.vector(naming.final_norm(), policy)?;
+        Ok(Self {
+            config,
+            policy,
+            embed,
+            head,
+            final_norm,
+            layers,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn policy(&self) -> DtypePolicy {
+        self.policy
+    }
+
+    pub fn kv_layout(&self) -> KvLayout {
+        KvLayout {
+            num_layers: self.config.num_layers,
+            kv_heads: self.config.num_kv_heads,
+            head_dim: self.config.head_dim,
+            dtype: self.policy.kv,
+        }
+    }
+
+    /// An empty cache for one sequence, growing `step_tokens` at a time.
+    pub fn new_cache(&self, step_tokens: usize) -> KvCache {
+        KvCache::new(self.kv_layout(), step_tokens)
+    }
+
+    /// Runs the new tokens of every sequence through the model, appends their K/V to each
+    /// sequence's cache, and returns the logits after each sequence's last new token
+    /// (`[batch, vocab]`, f32).
+    pub fn forward(&self, batch: &mut [SeqChunk<'_>]) -> Result<Array> {
+        let c = &self.config;
+        if batch.is_empty() || batch.iter().any(|s| s.tokens.is_empty()) {
+            return Err(EngineError::Config(
+                "forward needs at least one token per sequence".into(),
+            ));
+        }
+        for seq in batch.iter() {
+            if seq.cache.len() + seq.tokens.len() > c.context_length {
+                return Err(EngineError::Config(format!(
+                    "{} tokens exceed the context length {}",
+                    seq.cache.len() + seq.tokens.len(),
+                    c.context_length
+                )));
+            }
+            if let Some(&bad) = seq.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+                return Err(EngineError::Config(format!(
+                    "token id {bad} outside the vocabulary"
+                )));
+            }
+        }
+        let ids: Vec<u32> = batch
+            .iter()
+            .flat_map(|s| s.tokens.iter().copied())
+            .collect();
+        let ids = Array::from_slice(&ids, &[ids.len() as i32]);
+        let mut x = self.embed.rows(&ids, self.policy.compute)?; // [N, D]
+
+        // Token ranges of each sequence inside the flat batch.
+        let mut ranges = Vec::with_capacity(batch.len());
+        let mut at = 0i32;
+        for seq in batch.iter() {
+            let t = seq.tokens.len() as i32;
+            ranges.push((at, at + t));
+            at += t;
+        }
+
+        let (h, hk, hd) = (c.num_heads as i32, c.num_kv_heads as i32, c.head_dim as i32);
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        for (li, layer) in self.layers.iter().enumerate() {
+            let normed = fast::rms_norm(&x, Some(&layer.attn_norm), c.rms_norm_eps)?;
+            let q = layer.q.forward(&normed)?;
+            let k = layer.k.forward(&normed)?;
+            let v = layer.v.forward(&normed)?;
+            let mut outputs = Vec::with_capacity(batch.len());
+            for (seq, &(start, end)) in batch.iter_mut().zip(&ranges) {
+                let t = end - start;
+                let rows = |a: &Array| -> Result<Array> {
+                    if ranges.len() == 1 {
+                        Ok(a.clone())
+                    } else {
+                        Ok(a.try_index(start..end)?)
+                    }
+                };
+                let heads = |a: Array, n: i32| -> Result<Array> {
+                    Ok(a.reshape(&[1, t, n, hd])?.transpose_axes(&[0, 2, 1, 3])?)
+                };
+                let offset = seq.cache.len() as i32;
+                let q = self.rope(&heads(rows(&q)?, h)?, offset)?;
+                let k = self.rope(&heads(rows(&k)?, hk)?, offset)?;
+                let v = heads(rows(&v)?, hk)?;
+                let (keys, values) = seq.cache.append(li, &k, &v)?;
+                let (keys, values) = if keys.dtype() == q.dtype() {
+                    (keys, values)
+                } else {
+                    (keys.as_dtype(q.dtype())?, values.as_dtype(q.dtype())?)
+                };
+                let mask = (t > 1).then_some(ScaledDotProductAttentionMask::Causal);
+                let attn =
+                    fast::scaled_dot_product_attention(&q, &keys, &values, scale, mask, None)?;
+                outputs.push(attn.transpose_axes(&[0, 2, 1, 3])?.reshape(&[t, h * hd])?);
+            }
+            let attn = if outputs.len() == 1 {
+                outputs
+                    .pop()
+                    .ok_or_else(|| EngineError::Mlx("no output".into()))?
+            } else {
+                concatenate(&outputs, 0)?
+            };
+            x = x.add(layer.o.forward(&attn)?)?;
+            let normed = fast::rms_norm(&x, Some(&layer.mlp_norm), c.rms_norm_eps)?;
+            let gate = mlx_rs::nn::silu(layer.gate.forward(&normed)?)?;
+            let up = layer.up.forward(&normed)?;
+            x = x.add(layer.down.forward(&gate.multiply(&up)?)?)?;
+        }
+        for (seq, &(start, end)) in batch.iter_mut().zip(&ranges) {
+            seq.cache.advance((end - start) as usize);
+        }
+
+        let last: Vec<i32> = ranges.iter().map(|&(_, end)| end - 1).collect();
+        let last = Array::from_slice(&last, &[last.len() as i32]);
+        let x = x.take_axis(&last, 0)?;
+        let x = fast::rms_norm(&x, Some(&self.final_norm), c.rms_norm_eps)?;
+        let logits = self.head.as_ref().unwrap_or(&self.embed).apply(&x)?;
+        Ok(logits.as_dtype(Dtype::Float32)?)
+    }
+
+    fn rope(&self, x: &Array, offset: i32) -> Result<Array> {
+        let c = &self.config;
+        Ok(fast::rope(
+            x,
+            c.head_dim as i32,
+            c.rope_traditional,
+            c.rope_theta,
+            1.0 / c.rope_linear_factor,
+            offset,
+            None,
+        )?)
+    }
+}
+
+fn eval_matrix(m: &Matrix) -> Result<()> {
+    match m {
+        Matrix::Dense(w) => w.eval()?,
+        Matrix::Quantized(q) => {
+            q.weight.eval()?;
+            q.scales.eval()?;
+            q.biases.eval()?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,217 @@
+//! Opens a model from a path: a GGUF file, or a Hugging Face / MLX safetensors folder. Returns
+//! everything a worker serves with: the decoder, tokenizer, chat template, stop tokens and the
+//! fingerprint that names the model's KV blocks.
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use mlx_rs::Array;
+use serde::Deserialize;
+
+use super::config::HfConfig;
+use super::gguf;
+use super::llama::{Model, TensorNaming};
+use super::policy::DtypePolicy;
+use super::weights::TensorStore;
+use super::{EngineError, Result};
+use crate::template::ChatTemplate;
+use crate::tokenizer::Tokenizer;
+
+/// Version of the rules that turn a model into KV blocks; bump it to orphan every old block.
+pub const CACHE_FORMAT_VERSION: u32 = 1;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModelFormat {
+    Gguf,
+    Safetensors,
+}
+
+pub struct LoadedModel {
+    pub path: PathBuf,
+    pub format: ModelFormat,
+    pub model: Model,
+    pub tokenizer: Tokenizer,
+    pub template: ChatTemplate,
+    /// Token ids that end a generation (EOS and the turn-end tokens the vocabulary has).
+    pub stop_tokens: Vec<u32>,
+    /// Names the KV blocks this model computes under this policy (hex BLAKE3).
+    pub fingerprint: String,
+    pub block_tokens: usize,
+}
+
+/// Tokens that end a turn in the templates we meet, besides the declared EOS.
+const TURN_END_TOKENS: &[&str] = &["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>"];
+
+pub fn open(path: &Path, policy: DtypePolicy, block_tokens: usize) -> Result<LoadedModel> {
+    if block_tokens == 0 {
+        return Err(EngineError::Config(
+            "block_tokens must be at least 1".into(),
+        ));
+    }
+    if !path.exists() {
+        return Err(EngineError::ModelNotFound(path.display().to_string()));
+    }
+    let (format, model, tokenizer, template_source, files) = if path.is_dir() {
+        let (model, tokenizer, template) = open_folder(path, policy)?;
+        let files = weight_files(path)?;
+        (ModelFormat::Safetensors, model, tokenizer, template, files)
+    } else if path.extension().is_some_and(|e| e == "gguf") {
+        let g = gguf::load(path)?;
+        let tokenizer = Tokenizer::from_gguf(&g.tokenizer)?;
+        let model = Model::load(g.config, &g.tensors, TensorNaming::Gguf, policy)?;
+        (
+            ModelFormat::Gguf,
+            model,
+            tokenizer,
+            g.chat_template,
+            vec![path.to_path_buf()],
+        )
+    } else {
+        return Err(EngineError::UnknownFormat(path.display().to_string()));
+    };
+    let token_text = |id: Option<u32>| id.and_then(|i| tokenizer.token_text(i)).unwrap_or_default();
+    let template = ChatTemplate::new(
+        template_source.as_deref(),
+        &token_text(tokenizer.bos_token()),
+        &token_text(tokenizer.eos_token()),
+    )
+    .map_err(|e| EngineError::Config(e.to_string()))?;
+    let mut stop_tokens: Vec<u32> = tokenizer.eos_token().into_iter().collect();
+    for t in TURN_END_TOKENS {
+        if let Some(id) = tokenizer.special_id(t)
+            && !stop_tokens.contains(&id)
+        {
+            stop_tokens.push(id);
+        }
+    }
+    let fingerprint = fingerprint(&files, &model, policy, block_tokens)?;
+    Ok(LoadedModel {
+        path: path.to_path_buf(),
+        format,
+        model,
+        tokenizer,
+        template,
+        stop_tokens,
+        fingerprint,
+        block_tokens,
+    })
+}
+
+/// BLAKE3 over the weight files, the config, the dtype policy, the KV layout, the block size
+/// and the cache format version: anything that changes the bytes of a KV block changes it.
+fn fingerprint(
+    files: &[PathBuf],
+    model: &Model,
+    policy: DtypePolicy,
+    block_tokens: usize,
+) -> Result<String> {
+    let mut hasher = blake3::Hasher::new();
+    hasher.update(format!("strata-cache-format-{CACHE_FORMAT_VERSION}\n").as_bytes());
+    for file in files {
+        let mut f = std::fs::File::open(file)
+            .map_err(|e| EngineError::Load(format!("{}: {e}", file.display())))?;
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let n = f
+                .read(&mut buf)
+                .map_err(|e| EngineError::Load(format!("{}: {e}", file.display())))?;
+            if n == 0 {
+                break;
+            }
+            hasher.update(&buf[..n]);
+        }
+    }
+    hasher.update(format!("{:?}\n", model.config()).as_bytes());
+    hasher.update(format!("policy={policy} {policy:?}\n").as_bytes());
+    hasher.update(model.kv_layout().describe().as_bytes());
+    hasher.update(format!("\nblock_tokens={block_tokens}\n").as_bytes());
+    Ok(hasher.finalize().to_hex().to_string())
+}
+
+/// The files whose bytes define a safetensors model.
+fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut files = vec![dir.join("config.json")];
+    files.extend(safetensors_files(dir)?);
+    Ok(files)
+}
+
+fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| EngineError::Load(format!("{}: {e}", dir.display())))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(EngineError::Load(format!(
+            "no *.safetensors in {}",
+            dir.display()
+        )));
+    }
+    Ok(files)
+}
+
+/// `tokenizer_config.json` fields we use. Special tokens may be strings or objects.
+#[derive(Debug, Default, Deserialize)]
+struct TokenizerConfig {
+    chat_template: Option<serde_json::Value>,
+    bos_token: Option<serde_json::Value>,
+    eos_token: Option<serde_json::Value>,
+    #[serde(default)]
+    add_bos_token: bool,
+}
+
+fn token_string(v: &Option<serde_json::Value>) -> Option<String> {
+    match v {
+        Some(serde_json::Value::String(s)) => Some(s.clone()),
+        Some(serde_json::Value::Object(o)) => o
+            .get("content")
+            .and_then(|c| c.as_str())
+            .map(str::to_string),
+        _ => None,
+    }
+}
+
+fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T> {
+    let bytes =
+        std::fs::read(path).map_err(|e| EngineError::Load(format!("{}: {e}", path.display())))?;
+    serde_json::from_slice(&bytes)
+        .map_err(|e| EngineError::Load(format!("{}: {e}", path.display())))
+}
+
+fn open_folder(dir: &Path, policy: DtypePolicy) -> Result<(Model, Tokenizer, Option<String>)> {
+    let hf: HfConfig = read_json(&dir.join("config.json"))?;
+    let config = hf.to_model_config()?;
+    let tk_config_path = dir.join("tokenizer_config.json");
+    let tk_config: TokenizerConfig = if tk_config_path.exists() {
+        read_json(&tk_config_path)?
+    } else {
+        TokenizerConfig::default()
+    };
+    // A template is a string, or a list of named templates of which "default" is the one.
+    let template = match &tk_config.chat_template {
+        Some(serde_json::Value::String(s)) => Some(s.clone()),
+        Some(serde_json::Value::Array(list)) => list.iter().find_map(|t| {
+            (t.get("name")?.as_str()? == "default")
+                .then(|| t.get("template")?.as_str().map(str::to_string))?
+        }),
+        _ => None,
+    };
+    let tokenizer = Tokenizer::from_file(
+        &dir.join("tokenizer.json"),
+        token_string(&tk_config.bos_token).as_deref(),
+        token_string(&tk_config.eos_token).as_deref(),
+        tk_config.add_bos_token,
+    )?;
+    let mut tensors: HashMap<String, Array> = HashMap::new();
+    for file in safetensors_files(dir)? {
+        let loaded = Array::load_safetensors(&file)
+            .map_err(|e| EngineError::Load(format!("{}: {e}", file.display())))?;
+        tensors.extend(loaded);
+    }
+    let group_size = hf.quantization.map(|q| q.group_size).unwrap_or(64);
+    let store = TensorStore::new(tensors, group_size);
+    let model = Model::load(config, &store, TensorNaming::HuggingFace, policy)?;
+    Ok((model, tokenizer, template))
+}

@@ -1,0 +1,183 @@
+//! Weight tensors as the decoder uses them: linear layers (dense or quantised), embeddings,
+//! norms. Built from a `TensorStore` (GGUF or safetensors) under a `DtypePolicy`.
+
+use std::collections::HashMap;
+
+use mlx_rs::ops::{dequantize, quantized_matmul};
+use mlx_rs::{Array, Dtype};
+
+use super::policy::DtypePolicy;
+use super::{EngineError, Result};
+
+/// Named tensors from a model file, in MLX's quantised layout where quantised: a packed
+/// `<base>.weight` (uint32) with `<base>.scales` and `<base>.biases`.
+pub struct TensorStore {
+    tensors: HashMap<String, Array>,
+    /// Group size of quantised tensors (32 for GGUF's Q4_0/Q4_1/Q8_0).
+    pub group_size: i32,
+}
+
+impl TensorStore {
+    pub fn new(tensors: HashMap<String, Array>, group_size: i32) -> Self {
+        Self {
+            tensors,
+            group_size,
+        }
+    }
+
+    pub fn get(&self, name: &str) -> Option<&Array> {
+        self.tensors.get(name)
+    }
+
+    pub fn require(&self, name: &str) -> Result<&Array> {
+        self.get(name)
+            .ok_or_else(|| EngineError::MissingTensor(name.to_string()))
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = &String> {
+        self.tensors.keys()
+    }
+
+    /// A linear layer `<base>.weight` (+ `.scales`/`.biases` when quantised, + `.bias`).
+    pub fn linear(&self, base: &str, policy: DtypePolicy) -> Result<Linear> {
+        let bias = self
+            .get(&format!("{base}.bias"))
+            .map(|b| b.as_dtype(policy.compute))
+            .transpose()?;
+        let matrix = self.matrix(base, policy)?;
+        Ok(Linear { matrix, bias })
+    }
+
+    /// `<base>.weight` as a dense or quantised [out, in] matrix, per the policy.
+    pub fn matrix(&self, base: &str, policy: DtypePolicy) -> Result<Matrix> {
+        let weight_name = format!("{base}.weight");
+        let weight = self.require(&weight_name)?;
+        let Some(scales) = self.get(&format!("{base}.scales")) else {
+            return Ok(Matrix::Dense(weight.as_dtype(policy.compute)?));
+        };
+        let biases = self.require(&format!("{base}.biases"))?;
+        let bad = |reason: String| EngineError::BadTensor {
+            name: weight_name.clone(),
+            reason,
+        };
+        let (&[out, packed], &[s_out, groups]) = (weight.shape(), scales.shape()) else {
+            return Err(bad(format!(
+                "quantised weight and scales must be 2-D, got {:?} and {:?}",
+                weight.shape(),
+                scales.shape()
+            )));
+        };
+        if out != s_out || groups == 0 {
+            return Err(bad(format!(
+                "scales {:?} do not match {:?}",
+                scales.shape(),
+                weight.shape()
+            )));
+        }
+        let in_features = groups * self.group_size;
+        // Each uint32 packs 32 / bits values: packed = in * bits / 32.
+        let bits = packed * 32 / in_features;
+        if !matches!(bits, 2 | 3 | 4 | 5 | 6 | 8) || packed * 32 != bits * in_features {
+            return Err(bad(format!(
+                "cannot infer bits from packed width {packed} and {in_features} inputs"
+            )));
+        }
+        let q = QuantizedMatrix {
+            weight: weight.clone(),
+            scales: scales.as_dtype(policy.compute)?,
+            biases: biases.as_dtype(policy.compute)?,
+            group_size: self.group_size,
+            bits,
+        };
+        if policy.quantized_weights {
+            Ok(Matrix::Quantized(q))
+        } else {
+            Ok(Matrix::Dense(q.dequantize()?.as_dtype(policy.compute)?))
+        }
+    }
+
+    /// A norm weight, in the compute dtype.
+    pub fn vector(&self, name: &str, policy: DtypePolicy) -> Result<Array> {
+        Ok(self.require(name)?.as_dtype(policy.compute)?)
+    }
+}
+
+#[derive(Clone)]
+pub struct QuantizedMatrix {
+    pub weight: Array,
+    pub scales: Array,
+    pub biases: Array,
+    pub group_size: i32,
+    pub bits: i32,
+}
+
+impl QuantizedMatrix {
+    pub fn dequantize(&self) -> Result<Array> {
+        Ok(dequantize(
+            &self.weight,
+            &self.scales,
+            &self.biases,
+            self.group_size,
+            self.bits,
+        )?)
+    }
+}
+
+/// An [out, in] weight matrix.
+#[derive(Clone)]
+pub enum Matrix {
+    Dense(Array),
+    Quantized(QuantizedMatrix),
+}
+
+impl Matrix {
+    /// `x @ W.T`.
+    pub fn apply(&self, x: &Array) -> Result<Array> {
+        Ok(match self {
+            Matrix::Dense(w) => x.matmul(w.t())?,
+            Matrix::Quantized(q) => quantized_matmul(
+                x,
+                &q.weight,
+                &q.scales,
+                &q.biases,
+                true,
+                q.group_size,
+                q.bits,
+            )?,
+        })
+    }
+
+    /// Rows `ids` of the matrix (an embedding lookup), dense, in `dtype`.
+    pub fn rows(&self, ids: &Array, dtype: Dtype) -> Result<Array> {
+        Ok(match self {
+            Matrix::Dense(w) => w.take_axis(ids, 0)?,
+            Matrix::Quantized(q) => dequantize(
+                q.weight.take_axis(ids, 0)?,
+                q.scales.take_axis(ids, 0)?,
+                &q.biases.take_axis(ids, 0)?,
+                q.group_size,
+                q.bits,
+            )?
+            .as_dtype(dtype)?,
+        })
+    }
+}
+
+pub struct Linear {
+    pub matrix: Matrix,
+    pub bias: Option<Array>,
+}
+
+impl Linear {
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        let y = self.matrix.apply(x)?;
+        Ok(match &self.bias {
+            Some(b) => y.add(b)?,
+            None => y,
+        })
+    }
+}

@@ -1,0 +1,278 @@
+//! Text <-> token ids with the `tokenizers` crate, built either from a GGUF file's metadata
+//! (byte-level BPE vocabulary and merges plus the *name* of the pre-tokenizer rule) or from a
+//! Hugging Face `tokenizer.json`. Also the incremental detokeniser used while streaming.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::{BPE, Vocab};
+use tokenizers::normalizers::unicode::NFC;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error("unsupported tokenizer model {0:?} (supported: gpt2 byte-level BPE)")]
+    UnsupportedModel(String),
+    #[error(
+        "unsupported pre-tokenizer {0:?} (supported: smollm, qwen2, gpt2, default); \
+         the GGUF names the rule and we must apply exactly that one"
+    )]
+    UnsupportedPreTokenizer(String),
+    #[error("malformed merge rule {0:?}: expected two tokens separated by a space")]
+    BadMerge(String),
+    #[error("tokenizer: {0}")]
+    Library(String),
+    #[error("read {path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+}
+
+fn lib_err(e: impl std::fmt::Display) -> TokenizerError {
+    TokenizerError::Library(e.to_string())
+}
+
+/// GGUF's `tokenizer.ggml.token_type` values that mark a token as special (matched whole).
+const TOKEN_TYPE_CONTROL: i32 = 3;
+const TOKEN_TYPE_USER_DEFINED: i32 = 4;
+
+/// What a GGUF file says about its tokenizer.
+#[derive(Debug, Clone, Default)]
+pub struct GgufTokenizerSpec {
+    /// `tokenizer.ggml.model`, e.g. "gpt2".
+    pub model: String,
+    /// `tokenizer.ggml.pre`, e.g. "smollm" or "qwen2".
+    pub pre: String,
+    pub tokens: Vec<String>,
+    pub merges: Vec<String>,
+    pub token_types: Vec<i32>,
+    pub bos: Option<u32>,
+    pub eos: Option<u32>,
+    pub add_bos: bool,
+}
+
+/// Qwen2's split rule (single digits, case-insensitive contractions, newlines kept apart).
+const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    bos: Option<u32>,
+    eos: Option<u32>,
+    add_bos: bool,
+    specials: HashMap<String, u32>,
+}
+
+impl Tokenizer {
+    /// Builds the tokenizer a GGUF file describes.
+    pub fn from_gguf(spec: &GgufTokenizerSpec) -> Result<Self, TokenizerError> {
+        if spec.model != "gpt2" {
+            return Err(TokenizerError::UnsupportedModel(spec.model.clone()));
+        }
+        let split = |pattern: &str| -> Result<PreTokenizerWrapper, TokenizerError> {
+            let regex = SplitPattern::Regex(pattern.to_string());
+            Ok(Split::new(regex, SplitDelimiterBehavior::Isolated, false)
+                .map_err(lib_err)?
+                .into())
+        };
+        // ByteLevel(add_prefix_space, trim_offsets, use_regex): with use_regex it applies GPT-2's
+        // split rule itself, as the models' own tokenizer.json files say.
+        let gpt2_split: PreTokenizerWrapper = ByteLevel::new(false, true, true).into();
+        let bytes_only: PreTokenizerWrapper = ByteLevel::new(false, true, false).into();
+        let (pre_tokenizer, nfc): (PreTokenizerWrapper, bool) = match spec.pre.as_str() {
+            // SmolLM2: every digit on its own, then GPT-2's rule.
+            "smollm" => (
+                Sequence::new(vec![Digits::new(true).into(), gpt2_split]).into(),
+                false,
+            ),
+            "qwen2" => (
+                Sequence::new(vec![split(QWEN2_PATTERN)?, bytes_only]).into(),
+                true,
+            ),
+            "gpt2" | "default" => (gpt2_split, false),
+            other => return Err(TokenizerError::UnsupportedPreTokenizer(other.to_string())),
+        };
+
+        let vocab: Vocab = spec
+            .tokens
+            .iter()
+            .enumerate()
+            .map(|(id, t)| (t.clone(), id as u32))
+            .collect();
+        let merges = spec
+            .merges
+            .iter()
+            .map(|m| {
+                m.split_once(' ')
+                    .map(|(a, b)| (a.to_string(), b.to_string()))
+                    .ok_or_else(|| TokenizerError::BadMerge(m.clone()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .map_err(lib_err)?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        inner.with_pre_tokenizer(Some(pre_tokenizer));
+        inner.with_decoder(Some(ByteLevelDecoder::default()));
+        if nfc {
+            inner.with_normalizer(Some(NFC));
+        }
+        let mut specials = HashMap::new();
+        let added: Vec<AddedToken> = spec
+            .tokens
+            .iter()
+            .zip(&spec.token_types)
+            .enumerate()
+            .filter(|(_, (_, ty))| matches!(**ty, TOKEN_TYPE_CONTROL | TOKEN_TYPE_USER_DEFINED))
+            .map(|(id, (t, ty))| {
+                specials.insert(t.clone(), id as u32);
+                AddedToken::from(t.clone(), *ty == TOKEN_TYPE_CONTROL)
+            })
+            .collect();
+        inner.add_special_tokens(&added);
+        Ok(Self {
+            inner,
+            bos: spec.bos,
+            eos: spec.eos,
+            add_bos: spec.add_bos,
+            specials,
+        })
+    }
+
+    /// Loads a Hugging Face `tokenizer.json`; `bos`/`eos` come from `tokenizer_config.json`.
+    pub fn from_file(
+        path: &Path,
+        bos: Option<&str>,
+        eos: Option<&str>,
+        add_bos: bool,
+    ) -> Result<Self, TokenizerError> {
+        let bytes = std::fs::read(path).map_err(|source| TokenizerError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(lib_err)?;
+        let specials: HashMap<String, u32> = inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .map(|(id, t)| (t.content, id))
+            .collect();
+        let id = |t: Option<&str>| t.and_then(|t| inner.token_to_id(t));
+        Ok(Self {
+            bos: id(bos),
+            eos: id(eos),
+            add_bos,
+            specials,
+            inner,
+        })
+    }
+
+    /// Token ids of `text`. Special tokens written in the text (e.g. `<|im_start|>` from a chat
+    /// template) are matched whole; the BOS token is prepended when the model asks for it.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let encoding = self.inner.encode_fast(text, false).map_err(lib_err)?;
+        let mut ids = Vec::with_capacity(encoding.len() + 1);
+        if self.add_bos
+            && let Some(bos) = self.bos
+        {
+            ids.push(bos);
+        }
+        ids.extend_from_slice(encoding.get_ids());
+        Ok(ids)
+    }
+
+    /// Text of `ids`, special tokens included as written (`<|im_end|>`) unless `skip_special`.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, TokenizerError> {
+        self.inner.decode(ids, skip_special).map_err(lib_err)
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    pub fn bos_token(&self) -> Option<u32> {
+        self.bos
+    }
+
+    pub fn eos_token(&self) -> Option<u32> {
+        self.eos
+    }
+
+    pub fn token_text(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    /// The id of a special token by its text, e.g. `<|im_end|>`.
+    pub fn special_id(&self, text: &str) -> Option<u32> {
+        self.specials.get(text).copied()
+    }
+
+    pub fn is_special(&self, id: u32) -> bool {
+        self.token_text(id)
+            .is_some_and(|t| self.specials.get(&t) == Some(&id))
+    }
+}
+
+/// Turns a growing list of generated ids into text deltas without ever splitting a UTF-8
+/// character (or a multi-token grapheme that byte-level BPE spreads over several tokens): a
+/// delta is released only once the text decodes without a trailing replacement character.
+pub struct StreamDecoder {
+    ids: Vec<u32>,
+    prefix_offset: usize,
+    read_offset: usize,
+    skip_special: bool,
+}
+
+impl StreamDecoder {
+    pub fn new(skip_special: bool) -> Self {
+        Self {
+            ids: Vec::new(),
+            prefix_offset: 0,
+            read_offset: 0,
+            skip_special,
+        }
+    }
+
+    /// Adds one token; returns the text it completes, if any.
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<Option<String>, TokenizerError> {
+        self.ids.push(id);
+        let prefix = tok.decode(
+            &self.ids[self.prefix_offset..self.read_offset],
+            self.skip_special,
+        )?;
+        let full = tok.decode(&self.ids[self.prefix_offset..], self.skip_special)?;
+        if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') {
+            let delta = match full.strip_prefix(prefix.as_str()) {
+                Some(rest) => rest.to_string(),
+                // Decoding is not always prefix-stable (cleanup rules); release what is new.
+                None => full.chars().skip(prefix.chars().count()).collect(),
+            };
+            self.prefix_offset = self.read_offset;
+            self.read_offset = self.ids.len();
+            Ok(Some(delta))
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// Whatever is still held back (an incomplete character at the very end is emitted as the
+    /// replacement character, as any decoder would).
+    pub fn flush(&mut self, tok: &Tokenizer) -> Result<Option<String>, TokenizerError> {
+        let prefix = tok.decode(
+            &self.ids[self.prefix_offset..self.read_offset],
+            self.skip_special,
+        )?;
+        let full = tok.decode(&self.ids[self.prefix_offset..], self.skip_special)?;
+        self.prefix_offset = self.ids.len();
+        self.read_offset = self.ids.len();
+        Ok(full
+            .strip_prefix(prefix.as_str())
+            .filter(|rest| !rest.is_empty())
+            .map(str::to_string))
+    }
+}
