@@ -2,7 +2,7 @@
 //! Hugging Face's `apply_chat_template` configures Jinja (trim_blocks, lstrip_blocks, loop
 //! controls, `raise_exception`, Python string methods), so that the prompt matches byte for byte.
 
-use minijinja::value::Serde;
+use minijinja::value::{Kwargs, Serde};
 use minijinja::{Environment, ErrorKind, Value};
 use serde::Serialize;
 
@@ -69,6 +69,7 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
+        env.add_filter("tojson", tojson);
         env.add_template_owned("chat", source.unwrap_or(CHATML_FALLBACK).to_string())
             .map_err(|e| TemplateError::Compile(format!("{e:#}")))?;
         Ok(Self {
@@ -90,6 +91,17 @@ impl ChatTemplate {
             .env
             .get_template("chat")
             .map_err(|e| TemplateError::Render(format!("{e:#}")))?;
+        // transformers drops message keys whose value is null before rendering.
+        let messages: Vec<serde_json::Value> = messages
+            .iter()
+            .map(|m| match serde_json::to_value(m) {
+                Ok(serde_json::Value::Object(map)) => serde_json::Value::Object(
+                    map.into_iter().filter(|(_, v)| !v.is_null()).collect(),
+                ),
+                Ok(other) => other,
+                Err(_) => serde_json::Value::Null,
+            })
+            .collect();
         let ctx = minijinja::context! {
             messages => Value::from(Serde(messages)),
             add_generation_prompt => add_generation_prompt,
@@ -100,6 +112,76 @@ impl ChatTemplate {
         template
             .render(ctx)
             .map_err(|e| TemplateError::Render(format!("{e:#}")))
+    }
+}
+
+/// `tojson` as transformers defines it (`json.dumps(x, ensure_ascii=False, indent=...)`), not
+/// minijinja's HTML-safe builtin: templates print tool schemas with it, and the model was
+/// trained on Python's exact spelling (`", "` and `": "` separators, no `<` escaping).
+fn tojson(value: Value, kwargs: Kwargs) -> Result<String, minijinja::Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    kwargs.assert_all_used()?;
+    let json = serde_json::to_value(&value)
+        .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    let mut out = String::new();
+    python_json(&json, indent, sort_keys.unwrap_or(false), 0, &mut out);
+    Ok(out)
+}
+
+fn python_json(
+    v: &serde_json::Value,
+    indent: Option<usize>,
+    sort: bool,
+    depth: usize,
+    out: &mut String,
+) {
+    use serde_json::Value as J;
+    let newline = |out: &mut String, depth: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * depth));
+        }
+    };
+    let item_sep = if indent.is_some() { "," } else { ", " };
+    match v {
+        J::Array(items) if !items.is_empty() => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, depth + 1);
+                python_json(item, indent, sort, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push(']');
+        }
+        J::Object(map) if !map.is_empty() => {
+            let mut entries: Vec<(&String, &serde_json::Value)> = map.iter().collect();
+            if sort {
+                entries.sort_by(|a, b| a.0.cmp(b.0));
+            }
+            out.push('{');
+            for (i, (k, item)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, depth + 1);
+                out.push_str(&J::String(k.clone()).to_string());
+                out.push_str(": ");
+                python_json(item, indent, sort, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push('}');
+        }
+        J::Array(_) => out.push_str("[]"),
+        J::Object(_) => out.push_str("{}"),
+        J::Number(n) if n.is_f64() => {
+            // Python prints integral floats with ".0", as serde_json does.
+            out.push_str(&n.to_string());
+        }
+        other => out.push_str(&other.to_string()),
     }
 }
 

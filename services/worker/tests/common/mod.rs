@@ -38,3 +38,14 @@ pub fn ids(v: &serde_json::Value) -> Vec<u32> {
         .map(|x| x.as_u64().expect("an id") as u32)
         .collect()
 }
+
+/// A model folder or file that scripts/setup derives from the default model.
+pub fn derived_model(rel: &str) -> PathBuf {
+    let path = cache_dir().join("models").join(rel);
+    assert!(
+        path.exists(),
+        "{} missing: run scripts/setup",
+        path.display()
+    );
+    path
+}
