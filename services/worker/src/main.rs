@@ -68,6 +68,19 @@ enum Command {
         #[arg(long)]
         verbose: bool,
     },
+    /// Measure prefill and decode speed on given prompts (ids from a JSON file: a list of
+    /// lists of token ids); prints one JSON line per prompt. Driven by scripts/bench_engine.py.
+    Bench {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[arg(long)]
+        prompt_ids: PathBuf,
+        #[arg(long, default_value_t = 64)]
+        decode_tokens: usize,
+        /// Runs per prompt; the median is reported.
+        #[arg(long, default_value_t = 3)]
+        repeat: usize,
+    },
     /// Print the token ids of a text, as the model's tokenizer splits it.
     Tokenize {
         #[command(flatten)]
@@ -134,6 +147,52 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Probe => {
             println!("mlx {} on {}", info.mlx_version, info.device);
+            Ok(())
+        }
+        Command::Bench {
+            model,
+            prompt_ids,
+            decode_tokens,
+            repeat,
+        } => {
+            let loaded = model.open(&info.device)?;
+            let text = std::fs::read_to_string(&prompt_ids)
+                .with_context(|| format!("read {}", prompt_ids.display()))?;
+            let prompts: Vec<Vec<u32>> = serde_json::from_str(&text).with_context(|| {
+                format!("{}: expected a list of lists of ids", prompt_ids.display())
+            })?;
+            let options = model.options();
+            // Warm-up: first calls pay for allocation and kernel set-up.
+            let warm = GenerateRequest {
+                ignore_eos: true,
+                ..GenerateRequest::greedy(prompts.first().cloned().unwrap_or_default(), 4)
+            };
+            loaded.generate(&warm, &options, |_| true)?;
+            for prompt in prompts {
+                let mut prefill = Vec::new();
+                let mut decode = Vec::new();
+                for _ in 0..repeat.max(1) {
+                    let req = GenerateRequest {
+                        ignore_eos: true,
+                        ..GenerateRequest::greedy(prompt.clone(), decode_tokens)
+                    };
+                    let g = loaded.generate(&req, &options, |_| true)?;
+                    prefill.push(g.prompt_tokens as f64 / g.timings.prefill.as_secs_f64());
+                    // The first token comes from the prefill's logits; the rest are decode steps.
+                    let steps = g.tokens.len().saturating_sub(1).max(1);
+                    decode.push(steps as f64 / g.timings.decode.as_secs_f64().max(1e-9));
+                }
+                println!(
+                    "{}",
+                    serde_json::json!({
+                        "prompt_tokens": prompt.len(),
+                        "prefill_tok_s": median(&mut prefill),
+                        "decode_tok_s": median(&mut decode),
+                        "prefill_runs": prefill,
+                        "decode_runs": decode,
+                    })
+                );
+            }
             Ok(())
         }
         Command::Tokenize { model, text } => {
@@ -220,6 +279,11 @@ fn main() -> anyhow::Result<()> {
             runtime.block_on(serve(socket, info))
         }
     }
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(0.0)
 }
 
 async fn serve(socket: PathBuf, info: ModelInfo) -> anyhow::Result<()> {
