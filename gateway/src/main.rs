@@ -39,6 +39,16 @@ struct UpArgs {
     /// Folder for the processes' Unix sockets [default: $XDG_RUNTIME_DIR/strata or /tmp/strata-$UID].
     #[arg(long, env = "STRATA_RUN_DIR")]
     run_dir: Option<PathBuf>,
+    /// Directory of the cache service's disk tier (put it on the SSD) [default:
+    /// $STRATA_CACHE/kv, i.e. ~/.cache/strata/kv].
+    #[arg(long, env = "STRATA_KV_DIR")]
+    kv_dir: Option<PathBuf>,
+    /// RAM tier size of the cache service.
+    #[arg(long, default_value = "1GiB", env = "STRATA_KV_RAM")]
+    kv_ram: String,
+    /// Disk tier size limit of the cache service.
+    #[arg(long, default_value = "20GiB", env = "STRATA_KV_DISK")]
+    kv_disk: String,
     /// Folder holding strata-worker and strata-kvcache [default: next to this binary].
     #[arg(long, env = "STRATA_BIN_DIR")]
     bin_dir: Option<PathBuf>,
@@ -53,11 +63,14 @@ fn main() -> anyhow::Result<()> {
     }
 }
 
-fn default_model() -> PathBuf {
-    let cache = std::env::var_os("STRATA_CACHE")
+fn cache_dir() -> PathBuf {
+    std::env::var_os("STRATA_CACHE")
         .map(PathBuf::from)
-        .unwrap_or_else(|| home().join(".cache/strata"));
-    cache.join("models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf")
+        .unwrap_or_else(|| home().join(".cache/strata"))
+}
+
+fn default_model() -> PathBuf {
+    cache_dir().join("models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf")
 }
 
 fn home() -> PathBuf {
@@ -103,6 +116,10 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
     };
 
     let kvcache_socket = run_dir.join("kvcache.sock");
+    let kv_dir = args
+        .kv_dir
+        .clone()
+        .unwrap_or_else(|| cache_dir().join("kv"));
     let worker_socket = run_dir.join("worker-0.sock");
     let specs = vec![
         ChildSpec {
@@ -113,6 +130,12 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
                 "serve".into(),
                 "--socket".into(),
                 kvcache_socket.display().to_string(),
+                "--dir".into(),
+                kv_dir.display().to_string(),
+                "--ram".into(),
+                args.kv_ram.clone(),
+                "--disk".into(),
+                args.kv_disk.clone(),
             ],
             socket: kvcache_socket,
         },

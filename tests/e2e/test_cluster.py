@@ -38,7 +38,8 @@ def cluster(bin_dir, default_model, free_port, tmp_path):
     log = open(tmp_path / "strata.log", "wb")
     proc = subprocess.Popen(
         [bin_dir / "strata", "up", "--bind", f"127.0.0.1:{free_port}",
-         "--model", str(default_model), "--run-dir", str(run_dir)],
+         "--model", str(default_model), "--run-dir", str(run_dir),
+         "--kv-dir", str(tmp_path / "kv"), "--kv-ram", "64MiB", "--kv-disk", "256MiB"],
         stdout=log, stderr=subprocess.STDOUT,
     )
     yield proc, free_port, run_dir
@@ -98,10 +99,11 @@ def test_every_binary_answers_help(bin_dir, binary):
 
 @pytest.mark.parametrize("binary,args", [
     ("strata-worker", ["serve"]),
-    ("strata-kvcache", ["serve"]),
+    ("strata-kvcache", ["serve", "--dir", "KVDIR"]),
 ])
 def test_services_exit_cleanly_on_sigterm(bin_dir, tmp_path, binary, args):
     sock = tmp_path / f"{binary}.sock"
+    args = [str(tmp_path / "kv") if a == "KVDIR" else a for a in args]
     proc = subprocess.Popen([bin_dir / binary, *args, "--socket", str(sock)],
                             stderr=subprocess.PIPE)
     wait_for(lambda: sock.exists(), 30, f"{binary} socket")

@@ -1,3 +1,5 @@
 //! `strata-kvcache`: holds KV blocks for every worker and outlives them (DESIGN.md sections 2-4).
 
+pub mod block;
 pub mod grpc;
+pub mod store;

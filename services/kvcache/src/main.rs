@@ -1,10 +1,12 @@
 //! `strata-kvcache`: the cache service process. Started by `strata up`, or by launchd/systemd.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use strata_kvcache::grpc::KvCacheService;
+use strata_kvcache::grpc::{KvCacheService, MAX_MESSAGE_BYTES};
+use strata_kvcache::store::{Store, StoreConfig};
 use strata_proto::kvcache::kv_cache_server::KvCacheServer;
 
 #[derive(Parser)]
@@ -25,26 +27,62 @@ enum Command {
         /// Unix socket to listen on (created with mode 0600).
         #[arg(long)]
         socket: PathBuf,
+        /// Directory for the disk tier (the chosen SSD); created if missing.
+        #[arg(long)]
+        dir: PathBuf,
+        /// RAM tier size, e.g. 512MiB or 8GiB.
+        #[arg(long, default_value = "1GiB", value_parser = parse_bytes)]
+        ram: u64,
+        /// Disk tier size limit, e.g. 100GiB; enforced on the bytes of the files themselves.
+        #[arg(long, default_value = "20GiB", value_parser = parse_bytes)]
+        disk: u64,
     },
 }
+
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    parse_size::parse_size(s).map_err(|e| format!("{s:?}: {e} (e.g. 512MiB, 8GiB)"))
+}
+
+/// How long in-flight requests get to finish after SIGTERM.
+const DRAIN_GRACE: Duration = Duration::from_secs(3);
+/// How long a graceful stop may spend writing queued blocks to disk.
+const FLUSH_BOUND: Duration = Duration::from_secs(10);
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     strata_runtime::logging::init("strata-kvcache");
     match cli.command {
-        Command::Serve { socket } => {
+        Command::Serve {
+            socket,
+            dir,
+            ram,
+            disk,
+        } => {
+            let (store, writer) = Store::open(StoreConfig {
+                dir: dir.clone(),
+                ram_bytes: ram,
+                disk_bytes: disk,
+            })
+            .with_context(|| format!("open the store in {}", dir.display()))?;
             let incoming = strata_runtime::uds::bind(&socket).await?;
-            tracing::info!(socket = %socket.display(), "kvcache listening");
-            tonic::transport::Server::builder()
-                .add_service(KvCacheServer::new(KvCacheService::new()))
-                .serve_with_incoming_shutdown(incoming, async {
-                    let signal = strata_runtime::shutdown::signal_received().await;
-                    tracing::info!(signal, "kvcache shutting down");
-                })
-                .await
-                .context("gRPC server")?;
+            tracing::info!(socket = %socket.display(), dir = %dir.display(), ram, disk, "kvcache listening");
+            let service = KvCacheServer::new(KvCacheService::new(store.clone()))
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES);
+            strata_runtime::shutdown::serve_until_signal("kvcache", DRAIN_GRACE, |drain| {
+                tonic::transport::Server::builder()
+                    .add_service(service)
+                    .serve_with_incoming_shutdown(incoming, drain)
+            })
+            .await
+            .context("gRPC server")?;
             let _ = std::fs::remove_file(&socket);
+            drop(store);
+            let flushed = tokio::task::spawn_blocking(move || writer.shutdown(FLUSH_BOUND))
+                .await
+                .unwrap_or(false);
+            tracing::info!(flushed, "kvcache stopped");
             Ok(())
         }
     }

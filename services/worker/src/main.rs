@@ -289,14 +289,17 @@ fn median(values: &mut [f64]) -> f64 {
 async fn serve(socket: PathBuf, info: ModelInfo) -> anyhow::Result<()> {
     let incoming = strata_runtime::uds::bind(&socket).await?;
     tracing::info!(socket = %socket.display(), mlx = %info.mlx_version, device = %info.device, "worker listening");
-    tonic::transport::Server::builder()
-        .add_service(WorkerServer::new(WorkerService::new(info)))
-        .serve_with_incoming_shutdown(incoming, async {
-            let signal = strata_runtime::shutdown::signal_received().await;
-            tracing::info!(signal, "worker shutting down");
-        })
-        .await
-        .context("gRPC server")?;
+    strata_runtime::shutdown::serve_until_signal(
+        "worker",
+        std::time::Duration::from_secs(3),
+        |drain| {
+            tonic::transport::Server::builder()
+                .add_service(WorkerServer::new(WorkerService::new(info)))
+                .serve_with_incoming_shutdown(incoming, drain)
+        },
+    )
+    .await
+    .context("gRPC server")?;
     let _ = std::fs::remove_file(&socket);
     Ok(())
 }

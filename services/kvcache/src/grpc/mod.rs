@@ -3,29 +3,153 @@
 use std::time::Instant;
 
 use strata_proto::kvcache::kv_cache_server::KvCache;
-use strata_proto::kvcache::{HealthRequest, HealthResponse};
-use tonic::{Request, Response, Status};
+use strata_proto::kvcache::{
+    Block, BlockLocation, ClearRequest, ClearResponse, FetchRequest, HealthRequest, HealthResponse,
+    LookupRequest, LookupResponse, StatsRequest, StatsResponse, StoreResponse,
+};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::block::BlockKey;
+use crate::store::Store;
+
+/// Bounds on one request, so that a bad client cannot make the service allocate without limit.
+pub const MAX_KEYS_PER_REQUEST: usize = 65_536;
+/// Largest message (one block) accepted or sent.
+pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
 
 pub struct KvCacheService {
+    store: Store,
     started: Instant,
 }
 
 impl KvCacheService {
-    pub fn new() -> Self {
+    pub fn new(store: Store) -> Self {
         Self {
+            store,
             started: Instant::now(),
         }
     }
 }
 
-impl Default for KvCacheService {
-    fn default() -> Self {
-        Self::new()
+fn keys(raw: &[Vec<u8>]) -> Result<Vec<BlockKey>, Status> {
+    if raw.len() > MAX_KEYS_PER_REQUEST {
+        return Err(Status::invalid_argument(format!(
+            "{} keys in one request (at most {MAX_KEYS_PER_REQUEST})",
+            raw.len()
+        )));
     }
+    raw.iter()
+        .enumerate()
+        .map(|(i, k)| {
+            BlockKey::from_slice(k)
+                .ok_or_else(|| Status::invalid_argument(format!("key {i} is not 32 bytes")))
+        })
+        .collect()
+}
+
+fn internal(e: impl std::fmt::Display) -> Status {
+    Status::internal(e.to_string())
 }
 
 #[tonic::async_trait]
 impl KvCache for KvCacheService {
+    async fn lookup(
+        &self,
+        req: Request<LookupRequest>,
+    ) -> Result<Response<LookupResponse>, Status> {
+        let req = req.into_inner();
+        let keys = keys(&req.keys)?;
+        let store = self.store.clone();
+        let found = tokio::task::spawn_blocking(move || store.lookup(&keys))
+            .await
+            .map_err(internal)?;
+        Ok(Response::new(LookupResponse {
+            blocks: found
+                .into_iter()
+                .map(|(k, tier)| BlockLocation {
+                    key: k.0.to_vec(),
+                    tier: tier as i32,
+                    payload_bytes: 0,
+                })
+                .collect(),
+        }))
+    }
+
+    type FetchStream = ReceiverStream<Result<Block, Status>>;
+
+    async fn fetch(
+        &self,
+        req: Request<FetchRequest>,
+    ) -> Result<Response<Self::FetchStream>, Status> {
+        let req = req.into_inner();
+        let keys = keys(&req.keys)?;
+        if req.namespace.is_empty() {
+            return Err(Status::invalid_argument("namespace is empty"));
+        }
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let store = self.store.clone();
+        tokio::task::spawn_blocking(move || {
+            for key in keys {
+                let item = match store.fetch(&req.namespace, &key) {
+                    Ok(Some(b)) => Ok((*b).clone()),
+                    Ok(None) => Err(Status::not_found(format!("block {} not held", key.hex()))),
+                    Err(e) => Err(internal(e)),
+                };
+                let stop = item.is_err();
+                // The client went away (dropped the stream): stop reading blocks for it.
+                if tx.blocking_send(item).is_err() || stop {
+                    break;
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn store(
+        &self,
+        req: Request<Streaming<Block>>,
+    ) -> Result<Response<StoreResponse>, Status> {
+        let mut stream = req.into_inner();
+        let mut response = StoreResponse::default();
+        while let Some(block) = stream.message().await? {
+            let store = self.store.clone();
+            let result = tokio::task::spawn_blocking(move || store.store(block))
+                .await
+                .map_err(internal)?;
+            match result {
+                Ok(()) => response.accepted += 1,
+                Err(why) => {
+                    response.refused += 1;
+                    if response.refusals.len() < 16 {
+                        response.refusals.push(why);
+                    }
+                }
+            }
+        }
+        Ok(Response::new(response))
+    }
+
+    async fn stats(&self, _req: Request<StatsRequest>) -> Result<Response<StatsResponse>, Status> {
+        let store = self.store.clone();
+        let stats = tokio::task::spawn_blocking(move || store.stats())
+            .await
+            .map_err(internal)?;
+        Ok(Response::new(stats))
+    }
+
+    async fn clear(&self, req: Request<ClearRequest>) -> Result<Response<ClearResponse>, Status> {
+        let namespace = req.into_inner().namespace;
+        let store = self.store.clone();
+        let removed = tokio::task::spawn_blocking(move || store.clear(&namespace))
+            .await
+            .map_err(internal)?
+            .map_err(internal)?;
+        Ok(Response::new(ClearResponse {
+            blocks_removed: removed,
+        }))
+    }
+
     async fn health(
         &self,
         _req: Request<HealthRequest>,

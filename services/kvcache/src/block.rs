@@ -1,0 +1,212 @@
+//! Block identity and integrity (DESIGN.md section 2). A block is served only if its key is the
+//! chain key of its own namespace, parent and token ids, its payload has the declared size and
+//! checksum, and its layout is self-consistent. Anything else is refused or treated as a miss.
+
+use std::fmt;
+
+use strata_proto::kvcache::{Block, BlockHeader, StateKind};
+
+/// Version of the block header and payload layout.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// BLAKE3(namespace || parent || token ids as u32 LE).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockKey(pub [u8; 32]);
+
+impl BlockKey {
+    pub fn chain(namespace: &str, parent: Option<&BlockKey>, tokens: &[u32]) -> Self {
+        let mut h = blake3::Hasher::new();
+        // Length-prefix the namespace so that no (namespace, tokens) pair collides with another.
+        h.update(&(namespace.len() as u64).to_le_bytes());
+        h.update(namespace.as_bytes());
+        h.update(parent.map(|p| &p.0[..]).unwrap_or(&[0u8; 32]));
+        for t in tokens {
+            h.update(&t.to_le_bytes());
+        }
+        BlockKey(*h.finalize().as_bytes())
+    }
+
+    pub fn from_slice(bytes: &[u8]) -> Option<Self> {
+        <[u8; 32]>::try_from(bytes).ok().map(BlockKey)
+    }
+
+    pub fn hex(&self) -> String {
+        blake3::Hash::from_bytes(self.0).to_hex().to_string()
+    }
+}
+
+impl fmt::Debug for BlockKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "BlockKey({})", &self.hex()[..12])
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum BlockError {
+    #[error("block without header")]
+    NoHeader,
+    #[error("format version {0} (this service reads {FORMAT_VERSION})")]
+    Version(u32),
+    #[error("empty namespace")]
+    NoNamespace,
+    #[error("key is not 32 bytes")]
+    BadKeyLength,
+    #[error("key does not match namespace, parent and token ids")]
+    KeyMismatch,
+    #[error("payload has {got} bytes, header says {declared}")]
+    SizeMismatch { got: u64, declared: u64 },
+    #[error("payload size {declared} does not fit the layout ({expected} expected)")]
+    LayoutMismatch { declared: u64, expected: u64 },
+    #[error("payload checksum mismatch")]
+    ChecksumMismatch,
+    #[error("unknown dtype {0:?}")]
+    Dtype(String),
+}
+
+fn dtype_bytes(dtype: &str) -> Option<u64> {
+    match dtype {
+        "float32" => Some(4),
+        "float16" | "bfloat16" => Some(2),
+        _ => None,
+    }
+}
+
+/// Checks everything a block claims about itself. Returns its key.
+pub fn verify(block: &Block) -> Result<BlockKey, BlockError> {
+    let h = block.header.as_ref().ok_or(BlockError::NoHeader)?;
+    verify_header(h)?;
+    let got = block.payload.len() as u64;
+    if got != h.payload_bytes {
+        return Err(BlockError::SizeMismatch {
+            got,
+            declared: h.payload_bytes,
+        });
+    }
+    if blake3::hash(&block.payload).as_bytes()[..] != h.payload_checksum[..] {
+        return Err(BlockError::ChecksumMismatch);
+    }
+    BlockKey::from_slice(&h.key).ok_or(BlockError::BadKeyLength)
+}
+
+/// The header's own consistency: version, key chain, layout vs size.
+pub fn verify_header(h: &BlockHeader) -> Result<(), BlockError> {
+    if h.format_version != FORMAT_VERSION {
+        return Err(BlockError::Version(h.format_version));
+    }
+    if h.namespace.is_empty() {
+        return Err(BlockError::NoNamespace);
+    }
+    let key = BlockKey::from_slice(&h.key).ok_or(BlockError::BadKeyLength)?;
+    let parent = if h.parent.is_empty() {
+        None
+    } else {
+        Some(BlockKey::from_slice(&h.parent).ok_or(BlockError::BadKeyLength)?)
+    };
+    if BlockKey::chain(&h.namespace, parent.as_ref(), &h.token_ids) != key {
+        return Err(BlockError::KeyMismatch);
+    }
+    let elem = dtype_bytes(&h.dtype).ok_or_else(|| BlockError::Dtype(h.dtype.clone()))?;
+    let kinds_ok = h.layer_kinds.len() == h.num_layers as usize
+        && h.layer_kinds
+            .iter()
+            .all(|&k| k == StateKind::FullAttentionKv as i32);
+    let expected = 2
+        * u64::from(h.num_layers)
+        * u64::from(h.kv_heads)
+        * u64::from(h.head_dim)
+        * h.token_ids.len() as u64
+        * elem;
+    if !kinds_ok || expected != h.payload_bytes || h.token_ids.is_empty() {
+        return Err(BlockError::LayoutMismatch {
+            declared: h.payload_bytes,
+            expected,
+        });
+    }
+    if h.payload_checksum.len() != 32 {
+        return Err(BlockError::ChecksumMismatch);
+    }
+    Ok(())
+}
+
+/// Builds a valid block (used by clients and tests).
+pub fn make_block(
+    namespace: &str,
+    parent: Option<&BlockKey>,
+    token_ids: Vec<u32>,
+    layout: (u32, u32, u32, &str),
+    payload: Vec<u8>,
+) -> Block {
+    let (num_layers, kv_heads, head_dim, dtype) = layout;
+    let key = BlockKey::chain(namespace, parent, &token_ids);
+    Block {
+        header: Some(BlockHeader {
+            format_version: FORMAT_VERSION,
+            namespace: namespace.to_string(),
+            key: key.0.to_vec(),
+            parent: parent.map(|p| p.0.to_vec()).unwrap_or_default(),
+            token_ids,
+            num_layers,
+            dtype: dtype.to_string(),
+            kv_heads,
+            head_dim,
+            layer_kinds: vec![StateKind::FullAttentionKv as i32; num_layers as usize],
+            payload_bytes: payload.len() as u64,
+            payload_checksum: blake3::hash(&payload).as_bytes().to_vec(),
+        }),
+        payload,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn block(tokens: Vec<u32>, parent: Option<&BlockKey>) -> Block {
+        let n = tokens.len();
+        make_block(
+            "ns",
+            parent,
+            tokens,
+            (2, 1, 4, "float32"),
+            vec![7u8; 2 * 2 * 4 * 4 * n],
+        )
+    }
+
+    #[test]
+    fn chain_keys_depend_on_namespace_parent_and_tokens() {
+        let a = BlockKey::chain("m1", None, &[1, 2, 3]);
+        assert_eq!(a, BlockKey::chain("m1", None, &[1, 2, 3]));
+        assert_ne!(a, BlockKey::chain("m2", None, &[1, 2, 3]));
+        assert_ne!(a, BlockKey::chain("m1", None, &[1, 2, 4]));
+        let b = BlockKey::chain("m1", Some(&a), &[4, 5]);
+        assert_ne!(b, BlockKey::chain("m1", None, &[4, 5]));
+        // No ambiguity between namespace bytes and token bytes.
+        assert_ne!(
+            BlockKey::chain("m", None, &[0x31]),
+            BlockKey::chain("m1", None, &[])
+        );
+    }
+
+    #[test]
+    fn a_valid_block_verifies_and_every_lie_is_caught() {
+        let root = block(vec![1, 2], None);
+        let key = verify(&root).unwrap();
+        verify(&block(vec![3], Some(&key))).unwrap();
+
+        let mut b = root.clone();
+        b.payload[5] ^= 1;
+        assert_eq!(verify(&b), Err(BlockError::ChecksumMismatch));
+        let mut b = root.clone();
+        b.header.as_mut().unwrap().token_ids[0] = 9;
+        assert_eq!(verify(&b), Err(BlockError::KeyMismatch));
+        let mut b = root.clone();
+        b.payload.pop();
+        assert!(matches!(verify(&b), Err(BlockError::SizeMismatch { .. })));
+        let mut b = root.clone();
+        b.header.as_mut().unwrap().kv_heads = 2;
+        assert!(matches!(verify(&b), Err(BlockError::LayoutMismatch { .. })));
+        let mut b = root;
+        b.header.as_mut().unwrap().format_version = 2;
+        assert_eq!(verify(&b), Err(BlockError::Version(2)));
+    }
+}

@@ -1,0 +1,260 @@
+//! The two tiers together: RAM (L1) in front of the disk (L2), a background writer that
+//! persists stored blocks without making the caller wait, and the counters behind `Stats`.
+
+pub mod disk;
+pub mod ram;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use strata_proto::kvcache::{Block, StatsResponse, Tier, TierStats};
+
+use crate::block::{self, BlockKey};
+use disk::{DiskError, DiskTier, ReadOutcome};
+use ram::RamTier;
+
+/// Blocks waiting for the disk writer. When it is full, new blocks stay in RAM only.
+const WRITE_QUEUE_BLOCKS: usize = 256;
+
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    pub dir: PathBuf,
+    pub ram_bytes: u64,
+    pub disk_bytes: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    ram_hits: AtomicU64,
+    disk_hits: AtomicU64,
+    misses: AtomicU64,
+    ram_evictions: AtomicU64,
+    corrupt: AtomicU64,
+    refused: AtomicU64,
+    write_failures: AtomicU64,
+}
+
+struct Inner {
+    ram: Mutex<RamTier>,
+    disk: Mutex<DiskTier>,
+    counters: Counters,
+    config: StoreConfig,
+}
+
+enum WriteJob {
+    Persist(BlockKey, Arc<Block>),
+    /// Everything queued before this is written; then the writer stops.
+    Stop,
+}
+
+/// A cheap handle; clones share the store.
+#[derive(Clone)]
+pub struct Store {
+    inner: Arc<Inner>,
+    writer: SyncSender<WriteJob>,
+}
+
+/// Owns the writer thread; `shutdown` drains what is queued, within a bound. (Store handles
+/// may outlive it, held by connections still open; they only stop reaching the disk.)
+pub struct Writer {
+    thread: std::thread::JoinHandle<()>,
+    jobs: SyncSender<WriteJob>,
+    done: Receiver<()>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding the lock cannot leave the tiers inconsistent in a way a reader
+    // could observe as a wrong block (every read re-verifies), so poisoning is ignored.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Store {
+    pub fn open(config: StoreConfig) -> Result<(Self, Writer), DiskError> {
+        let disk = DiskTier::open(&config.dir, config.disk_bytes)?;
+        let inner = Arc::new(Inner {
+            ram: Mutex::new(RamTier::new(config.ram_bytes)),
+            disk: Mutex::new(disk),
+            counters: Counters::default(),
+            config,
+        });
+        let (tx, rx) = sync_channel::<WriteJob>(WRITE_QUEUE_BLOCKS);
+        let (done_tx, done) = sync_channel(1);
+        let writer_inner = inner.clone();
+        let thread = std::thread::Builder::new()
+            .name("kv-disk-writer".into())
+            .spawn(move || {
+                for job in rx {
+                    let WriteJob::Persist(key, block) = job else {
+                        break;
+                    };
+                    let result = lock(&writer_inner.disk).write(key, &block);
+                    match result {
+                        Ok(()) => lock(&writer_inner.ram).mark_persisted(&key),
+                        Err(e) => {
+                            writer_inner
+                                .counters
+                                .write_failures
+                                .fetch_add(1, Ordering::Relaxed);
+                            tracing::warn!(error = %e, "block kept in RAM only");
+                        }
+                    }
+                }
+                let _ = lock(&writer_inner.disk).flush();
+                let _ = done_tx.send(());
+            })
+            .map_err(|e| DiskError::Io {
+                path: "writer thread".into(),
+                source: e,
+            })?;
+        let writer = Writer {
+            thread,
+            jobs: tx.clone(),
+            done,
+        };
+        Ok((Self { inner, writer: tx }, writer))
+    }
+
+    /// Verifies and keeps a block. Returns once it is in RAM; the disk write follows.
+    pub fn store(&self, block: Block) -> Result<(), String> {
+        let key = match block::verify(&block) {
+            Ok(k) => k,
+            Err(e) => {
+                self.inner.counters.refused.fetch_add(1, Ordering::Relaxed);
+                return Err(e.to_string());
+            }
+        };
+        let block = Arc::new(block);
+        let evicted = lock(&self.inner.ram).insert(key, block.clone(), false);
+        match evicted {
+            Some(ev) => {
+                self.inner
+                    .counters
+                    .ram_evictions
+                    .fetch_add(ev.blocks, Ordering::Relaxed);
+            }
+            None => {
+                self.inner.counters.refused.fetch_add(1, Ordering::Relaxed);
+                return Err("block larger than the RAM tier".into());
+            }
+        }
+        match self.writer.try_send(WriteJob::Persist(key, block)) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) => {
+                self.inner
+                    .counters
+                    .write_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!("disk writer behind: block kept in RAM only");
+            }
+            Err(TrySendError::Disconnected(_)) => {}
+        }
+        Ok(())
+    }
+
+    /// The longest held prefix of `keys`, with each block's tier.
+    pub fn lookup(&self, keys: &[BlockKey]) -> Vec<(BlockKey, Tier)> {
+        let mut found = Vec::new();
+        for key in keys {
+            let tier = if lock(&self.inner.ram).contains(key) {
+                Tier::Ram
+            } else if lock(&self.inner.disk).contains(key) {
+                Tier::Disk
+            } else {
+                break;
+            };
+            found.push((*key, tier));
+        }
+        found
+    }
+
+    /// One block of `namespace`, from RAM or from disk (then kept in RAM). Blocks that fail
+    /// verification are dropped and counted; they are misses.
+    pub fn fetch(&self, namespace: &str, key: &BlockKey) -> Result<Option<Arc<Block>>, DiskError> {
+        let c = &self.inner.counters;
+        let in_namespace = |b: &Block| b.header.as_ref().is_some_and(|h| h.namespace == namespace);
+        if let Some(b) = lock(&self.inner.ram).get(key) {
+            if in_namespace(&b) {
+                c.ram_hits.fetch_add(1, Ordering::Relaxed);
+                return Ok(Some(b));
+            }
+            c.misses.fetch_add(1, Ordering::Relaxed);
+            return Ok(None);
+        }
+        let outcome = lock(&self.inner.disk).read(key)?;
+        match outcome {
+            ReadOutcome::Hit(b) if in_namespace(&b) => {
+                c.disk_hits.fetch_add(1, Ordering::Relaxed);
+                let b = Arc::new(b);
+                if let Some(ev) = lock(&self.inner.ram).insert(*key, b.clone(), true) {
+                    c.ram_evictions.fetch_add(ev.blocks, Ordering::Relaxed);
+                }
+                Ok(Some(b))
+            }
+            ReadOutcome::Corrupt(why) => {
+                c.corrupt.fetch_add(1, Ordering::Relaxed);
+                c.misses.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(key = ?key, why, "corrupt block dropped");
+                Ok(None)
+            }
+            _ => {
+                c.misses.fetch_add(1, Ordering::Relaxed);
+                Ok(None)
+            }
+        }
+    }
+
+    pub fn clear(&self, namespace: &str) -> Result<u64, DiskError> {
+        let ram = lock(&self.inner.ram).clear(namespace);
+        let disk = lock(&self.inner.disk).clear(namespace)?;
+        Ok(ram.max(disk))
+    }
+
+    pub fn stats(&self) -> StatsResponse {
+        let c = &self.inner.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let (ram_blocks, ram_bytes) = {
+            let r = lock(&self.inner.ram);
+            (r.len() as u64, r.used_bytes())
+        };
+        let mut d = lock(&self.inner.disk);
+        StatsResponse {
+            ram: Some(TierStats {
+                blocks: ram_blocks,
+                bytes: ram_bytes,
+                hits: get(&c.ram_hits),
+                evictions: get(&c.ram_evictions),
+            }),
+            disk: Some(TierStats {
+                blocks: d.len() as u64,
+                bytes: d.used_bytes(),
+                hits: get(&c.disk_hits),
+                evictions: d.evictions,
+            }),
+            misses: get(&c.misses),
+            corrupt_blocks: get(&c.corrupt),
+            disk_bytes_written: d.bytes_written,
+            ram_limit_bytes: self.inner.config.ram_bytes,
+            disk_limit_bytes: d.limit_bytes(),
+            stores_refused: get(&c.refused) + get(&c.write_failures),
+        }
+    }
+}
+
+impl Writer {
+    /// Stops accepting writes and waits up to `within` for queued blocks to reach the disk.
+    pub fn shutdown(self, within: Duration) -> bool {
+        let started = Instant::now();
+        // Behind every block already queued; waits for room if the queue is full.
+        let _ = self.jobs.send(WriteJob::Stop);
+        let finished = self.done.recv_timeout(within).is_ok();
+        if finished {
+            let _ = self.thread.join();
+        } else {
+            tracing::warn!(waited = ?started.elapsed(), "disk writer did not drain in time");
+        }
+        finished
+    }
+}
