@@ -140,12 +140,29 @@ async fn run_once(
     state: &watch::Sender<ChildState>,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Result<std::process::ExitStatus, String> {
-    let mut child = Command::new(&spec.program)
+    let mut command = Command::new(&spec.program);
+    command
         .args(&spec.args)
         .stdin(Stdio::null())
         // Own process group: a terminal Ctrl-C reaches only the gateway, which stops children in order.
         .process_group(0)
-        .kill_on_drop(true)
+        .kill_on_drop(true);
+    #[cfg(target_os = "linux")]
+    if spec.kind == ChildKind::Worker {
+        // A worker must not outlive a gateway that was killed outright (kill_on_drop cannot
+        // run then): the kernel sends it SIGTERM when the gateway dies. The cache service is
+        // left running on purpose; it outlives gateway restarts.
+        // SAFETY: prctl is async-signal-safe and touches only the calling (child) process.
+        unsafe {
+            command.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+    let mut child = command
         .spawn()
         .map_err(|e| format!("spawn {}: {e}", spec.program.display()))?;
     let pid = child.id();

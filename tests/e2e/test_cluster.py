@@ -112,6 +112,25 @@ def test_services_exit_cleanly_on_sigterm(bin_dir, tmp_path, binary, args):
     assert not sock.exists()
 
 
+def test_workers_do_not_outlive_a_killed_gateway(cluster):
+    proc, port, _ = cluster
+    body = wait_for(lambda: ready(port), 60, "all children ready")
+    children = {c["name"]: c for c in body["children"]}
+    worker_pid, kvcache_pid = children["worker-0"]["pid"], children["kvcache"]["pid"]
+    proc.kill()  # SIGKILL: the gateway gets no chance to stop anything
+    proc.wait()
+    # The cache service outlives gateway restarts by design; this test stops it itself.
+    os.kill(kvcache_pid, signal.SIGTERM)
+
+    def gone():
+        try:
+            os.kill(worker_pid, 0)
+            return False
+        except ProcessLookupError:
+            return True
+    wait_for(gone, 15, "the orphaned worker to exit")
+
+
 def test_up_refuses_a_missing_model_clearly(bin_dir, free_port, tmp_path):
     out = subprocess.run(
         [bin_dir / "strata", "up", "--bind", f"127.0.0.1:{free_port}",
