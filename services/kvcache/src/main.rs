@@ -36,6 +36,10 @@ enum Command {
         /// Disk tier size limit, e.g. 100GiB; enforced on the bytes of the files themselves.
         #[arg(long, default_value = "20GiB", value_parser = parse_bytes)]
         disk: u64,
+        /// SSD write budget per day (UTC), e.g. 50GiB; once spent, new blocks stay in RAM
+        /// only until midnight, and Stats says so. Unlimited when absent.
+        #[arg(long, value_parser = parse_bytes)]
+        disk_write_budget: Option<u64>,
     },
 }
 
@@ -58,11 +62,13 @@ async fn main() -> anyhow::Result<()> {
             dir,
             ram,
             disk,
+            disk_write_budget,
         } => {
             let (store, writer) = Store::open(StoreConfig {
                 dir: dir.clone(),
                 ram_bytes: ram,
                 disk_bytes: disk,
+                disk_write_budget,
             })
             .with_context(|| format!("open the store in {}", dir.display()))?;
             let incoming = strata_runtime::uds::bind(&socket).await?;

@@ -232,3 +232,60 @@ async fn after_kill_9_during_heavy_writes_every_served_block_is_intact() {
 fn blocks_owned(n: usize) -> Vec<Block> {
     chain(n)
 }
+
+#[tokio::test]
+async fn once_the_daily_write_budget_is_spent_blocks_stay_in_ram_and_stats_say_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("kv.sock");
+    // Each test block is about 32 KiB on disk: a 100 KiB budget takes three of them.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_strata-kvcache"))
+        .args([
+            "serve",
+            "--ram",
+            "8MiB",
+            "--disk",
+            "64MiB",
+            "--disk-write-budget",
+            "100KiB",
+            "--socket",
+        ])
+        .arg(&socket)
+        .arg("--dir")
+        .arg(dir.path().join("store"))
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+        assert!(Instant::now() < deadline, "socket did not appear");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let svc = Service { child, socket };
+    let mut c = svc.client();
+    let blocks = chain(8);
+    assert_eq!(
+        store(&mut c, blocks.clone()).await,
+        8,
+        "all accepted into RAM"
+    );
+    // The writer runs behind the acknowledgement: wait until it has dealt with all eight.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let stats = loop {
+        let s = c.stats(StatsRequest {}).await.unwrap().into_inner();
+        if s.disk.as_ref().unwrap().blocks + s.blocks_ram_only_budget_spent == 8 {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "writer did not finish: {s:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(stats.disk.unwrap().blocks, 3);
+    assert_eq!(stats.blocks_ram_only_budget_spent, 5);
+    assert_eq!(stats.disk_write_budget_bytes, 100 * 1024);
+    assert!(stats.disk_write_budget_left < 32 * 1024);
+    assert!(stats.disk_bytes_written_today <= 100 * 1024);
+    // Every block is still served (from RAM).
+    assert_eq!(lookup(&mut c, &blocks).await.len(), 8);
+    child = svc.child;
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    assert!(child.wait().unwrap().success());
+}

@@ -37,6 +37,8 @@ pub enum DiskError {
     Index(#[from] sled::Error),
     #[error("block of {size} bytes cannot fit under the disk limit of {limit} bytes")]
     TooLarge { size: u64, limit: u64 },
+    #[error("today's SSD write budget of {budget} bytes is spent")]
+    BudgetSpent { budget: u64 },
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> DiskError + '_ {
@@ -91,13 +93,47 @@ pub struct DiskTier {
     sled_measured: Instant,
     pub evictions: u64,
     pub bytes_written: u64,
+    /// Bytes a day this tier may write (SSD wear); None = unlimited.
+    write_budget: Option<u64>,
+    /// (day number, bytes written that day), persisted so a restart does not reset it.
+    written_today: (u64, u64),
+    meta: sled::Tree,
+    /// Days since the epoch, UTC; replaceable in tests.
+    today: fn() -> u64,
+}
+
+const WRITTEN_TODAY: &[u8] = b"written_today";
+
+fn utc_day() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() / 86_400)
+        .unwrap_or(0)
 }
 
 impl DiskTier {
     pub fn open(dir: &Path, limit_bytes: u64) -> Result<Self, DiskError> {
+        Self::open_with_budget(dir, limit_bytes, None)
+    }
+
+    pub fn open_with_budget(
+        dir: &Path,
+        limit_bytes: u64,
+        write_budget: Option<u64>,
+    ) -> Result<Self, DiskError> {
         let blocks = dir.join("blocks");
         fs::create_dir_all(&blocks).map_err(io(&blocks))?;
         let index = open_index(&dir.join("index"))?;
+        // Bookkeeping lives in its own tree: the default tree holds only block keys.
+        let meta = index.open_tree("meta")?;
+        let written_today = meta
+            .get(WRITTEN_TODAY)?
+            .and_then(|v| {
+                let day = u64::from_le_bytes(v.get(0..8)?.try_into().ok()?);
+                let bytes = u64::from_le_bytes(v.get(8..16)?.try_into().ok()?);
+                Some((day, bytes))
+            })
+            .unwrap_or((0, 0));
         let mut tier = Self {
             dir: dir.to_owned(),
             index,
@@ -110,6 +146,10 @@ impl DiskTier {
             sled_measured: Instant::now(),
             evictions: 0,
             bytes_written: 0,
+            write_budget,
+            written_today,
+            meta,
+            today: utc_day,
         };
         tier.recover()?;
         tier.measure_sled();
@@ -273,6 +313,11 @@ impl DiskTier {
             .map(|h| h.encode_to_vec())
             .unwrap_or_default();
         let size = (MAGIC.len() + 4 + header.len() + block.payload.len()) as u64;
+        if let Some(budget) = self.write_budget
+            && self.written_today() + size > budget
+        {
+            return Err(DiskError::BudgetSpent { budget });
+        }
         // Decide on fresh numbers: the index is measured now, and may grow by one segment.
         self.measure_sled();
         let fixed = self.sled_bytes + INDEX_GROWTH_RESERVE;
@@ -316,7 +361,25 @@ impl DiskTier {
         self.index.insert(key.0, entry.encode())?;
         self.track(key, size, self.clock);
         self.bytes_written += size;
+        let day = (self.today)();
+        self.written_today = (day, self.written_today() + size);
+        let mut v = day.to_le_bytes().to_vec();
+        v.extend_from_slice(&self.written_today.1.to_le_bytes());
+        self.meta.insert(WRITTEN_TODAY, v)?;
         Ok(())
+    }
+
+    /// Bytes written to this tier since midnight UTC.
+    pub fn written_today(&self) -> u64 {
+        if self.written_today.0 == (self.today)() {
+            self.written_today.1
+        } else {
+            0
+        }
+    }
+
+    pub fn write_budget(&self) -> Option<u64> {
+        self.write_budget
     }
 
     /// Reads and re-verifies a block; a bad file is deleted and reported.
@@ -543,6 +606,29 @@ mod tests {
             ReadOutcome::Hit(got) => assert_eq!(got, b),
             _ => panic!("not adopted"),
         }
+    }
+
+    #[test]
+    fn the_daily_write_budget_holds_across_restarts_and_renews_the_next_day() {
+        let dir = tempfile::tempdir().unwrap();
+        let budget = Some(10_000);
+        {
+            let mut d = DiskTier::open_with_budget(dir.path(), 1 << 30, budget).unwrap();
+            d.write(block(1, 4096).0, &block(1, 4096).1).unwrap();
+            d.write(block(2, 4096).0, &block(2, 4096).1).unwrap();
+            let third = d.write(block(3, 4096).0, &block(3, 4096).1);
+            assert!(matches!(
+                third,
+                Err(DiskError::BudgetSpent { budget: 10_000 })
+            ));
+            d.flush().unwrap();
+        }
+        let mut d = DiskTier::open_with_budget(dir.path(), 1 << 30, budget).unwrap();
+        assert!(d.written_today() > 8000);
+        assert!(d.write(block(3, 4096).0, &block(3, 4096).1).is_err());
+        d.today = || utc_day() + 1;
+        assert_eq!(d.written_today(), 0);
+        d.write(block(3, 4096).0, &block(3, 4096).1).unwrap();
     }
 
     #[test]

@@ -24,6 +24,8 @@ pub struct StoreConfig {
     pub dir: PathBuf,
     pub ram_bytes: u64,
     pub disk_bytes: u64,
+    /// Bytes a day the disk tier may write; None = unlimited.
+    pub disk_write_budget: Option<u64>,
 }
 
 #[derive(Default)]
@@ -35,6 +37,8 @@ struct Counters {
     corrupt: AtomicU64,
     refused: AtomicU64,
     write_failures: AtomicU64,
+    /// Blocks not persisted because today's write budget was spent.
+    budget_skips: AtomicU64,
 }
 
 struct Inner {
@@ -73,7 +77,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Store {
     pub fn open(config: StoreConfig) -> Result<(Self, Writer), DiskError> {
-        let disk = DiskTier::open(&config.dir, config.disk_bytes)?;
+        let disk =
+            DiskTier::open_with_budget(&config.dir, config.disk_bytes, config.disk_write_budget)?;
         let inner = Arc::new(Inner {
             ram: Mutex::new(RamTier::new(config.ram_bytes)),
             disk: Mutex::new(disk),
@@ -93,6 +98,13 @@ impl Store {
                     let result = lock(&writer_inner.disk).write(key, &block);
                     match result {
                         Ok(()) => lock(&writer_inner.ram).mark_persisted(&key),
+                        Err(DiskError::BudgetSpent { .. }) => {
+                            // Expected once the budget is spent: counted, no log line per block.
+                            writer_inner
+                                .counters
+                                .budget_skips
+                                .fetch_add(1, Ordering::Relaxed);
+                        }
                         Err(e) => {
                             writer_inner
                                 .counters
@@ -238,7 +250,15 @@ impl Store {
             disk_bytes_written: d.bytes_written,
             ram_limit_bytes: self.inner.config.ram_bytes,
             disk_limit_bytes: d.limit_bytes(),
-            stores_refused: get(&c.refused) + get(&c.write_failures),
+            stores_refused: get(&c.refused),
+            disk_write_failures: get(&c.write_failures),
+            disk_bytes_written_today: d.written_today(),
+            disk_write_budget_bytes: d.write_budget().unwrap_or(0),
+            disk_write_budget_left: d
+                .write_budget()
+                .map(|b| b.saturating_sub(d.written_today()))
+                .unwrap_or(u64::MAX),
+            blocks_ram_only_budget_spent: get(&c.budget_skips),
         }
     }
 }
