@@ -289,3 +289,85 @@ async fn once_the_daily_write_budget_is_spent_blocks_stay_in_ram_and_stats_say_s
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     assert!(child.wait().unwrap().success());
 }
+
+#[tokio::test]
+async fn bad_input_gets_clear_statuses_and_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let svc = Service::start(dir.path());
+    let mut c = svc.client();
+    let blocks = chain(2);
+    assert_eq!(store(&mut c, blocks.clone()).await, 2);
+
+    // A key that is not 32 bytes.
+    let err = c
+        .lookup(LookupRequest {
+            namespace: NS.into(),
+            keys: vec![vec![1, 2, 3]],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(err.message().contains("32 bytes"), "{}", err.message());
+    // Fetch without a namespace.
+    let err = c
+        .fetch(FetchRequest {
+            namespace: String::new(),
+            keys: vec![key(&blocks[0])],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    // Another model's namespace never sees these blocks.
+    let req = FetchRequest {
+        namespace: "another-model".into(),
+        keys: vec![key(&blocks[0])],
+    };
+    let mut stream = c.fetch(req).await.unwrap().into_inner();
+    assert_eq!(
+        stream.message().await.unwrap_err().code(),
+        tonic::Code::NotFound
+    );
+    // A block without a header, and one whose key lies about its tokens: refused with reasons.
+    let mut liar = blocks[1].clone();
+    liar.header.as_mut().unwrap().token_ids.reverse();
+    let headless = Block {
+        header: None,
+        payload: vec![0; 16],
+    };
+    let r = c
+        .store(tokio_stream::iter(vec![headless, liar]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((r.accepted, r.refused), (0, 2));
+    assert!(r.refusals[0].contains("header"), "{:?}", r.refusals);
+    assert!(r.refusals[1].contains("key"), "{:?}", r.refusals);
+    // Nothing changed: the good blocks are still served as they were.
+    let got: Vec<Block> = fetch(&mut c, &blocks)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(got, blocks);
+    let stats = c.stats(StatsRequest {}).await.unwrap().into_inner();
+    assert_eq!(stats.stores_refused, 2);
+    svc.stop();
+}
+
+#[test]
+fn a_dir_that_cannot_be_created_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("not-a-dir");
+    std::fs::write(&file, b"x").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_strata-kvcache"))
+        .args(["serve", "--socket"])
+        .arg(dir.path().join("kv.sock"))
+        .arg("--dir")
+        .arg(file.join("store"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("not-a-dir/store"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
