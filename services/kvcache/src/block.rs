@@ -116,7 +116,8 @@ pub fn verify_header(h: &BlockHeader) -> Result<(), BlockError> {
         * u64::from(h.head_dim)
         * h.token_ids.len() as u64
         * elem;
-    if !kinds_ok || expected != h.payload_bytes || h.token_ids.is_empty() {
+    let too_many = h.block_tokens != 0 && h.token_ids.len() > h.block_tokens as usize;
+    if !kinds_ok || expected != h.payload_bytes || h.token_ids.is_empty() || too_many {
         return Err(BlockError::LayoutMismatch {
             declared: h.payload_bytes,
             expected,
@@ -128,11 +129,35 @@ pub fn verify_header(h: &BlockHeader) -> Result<(), BlockError> {
     Ok(())
 }
 
-/// Builds a valid block (used by clients and tests).
+/// True for a partial (tail) block: fewer tokens than its namespace's block size.
+pub fn is_partial(h: &BlockHeader) -> bool {
+    h.block_tokens != 0 && (h.token_ids.len() as u32) < h.block_tokens
+}
+
+/// The parent under which a chain's first block hangs, per namespace.
+pub fn root_of(namespace: &str) -> BlockKey {
+    BlockKey::chain(namespace, None, &[])
+}
+
+/// Builds a valid full block (used by clients and tests).
 pub fn make_block(
     namespace: &str,
     parent: Option<&BlockKey>,
     token_ids: Vec<u32>,
+    layout: (u32, u32, u32, &str),
+    payload: Vec<u8>,
+) -> Block {
+    let block_tokens = token_ids.len() as u32;
+    make_block_of(namespace, parent, token_ids, block_tokens, layout, payload)
+}
+
+/// Builds a valid block of a namespace whose blocks hold `block_tokens` tokens; with fewer
+/// token ids it is a partial block.
+pub fn make_block_of(
+    namespace: &str,
+    parent: Option<&BlockKey>,
+    token_ids: Vec<u32>,
+    block_tokens: u32,
     layout: (u32, u32, u32, &str),
     payload: Vec<u8>,
 ) -> Block {
@@ -152,6 +177,7 @@ pub fn make_block(
             layer_kinds: vec![StateKind::FullAttentionKv as i32; num_layers as usize],
             payload_bytes: payload.len() as u64,
             payload_checksum: blake3::hash(&payload).as_bytes().to_vec(),
+            block_tokens,
         }),
         payload,
     }

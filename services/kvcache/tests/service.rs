@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use strata_kvcache::block::{BlockKey, make_block};
+use strata_kvcache::block::{BlockKey, make_block, make_block_of};
 use strata_proto::kvcache::kv_cache_client::KvCacheClient;
 use strata_proto::kvcache::{Block, FetchRequest, LookupRequest, StatsRequest, Tier};
 use tonic::transport::Channel;
@@ -94,6 +94,7 @@ async fn lookup(client: &mut KvCacheClient<Channel>, blocks: &[Block]) -> Vec<Ti
     let req = LookupRequest {
         namespace: NS.into(),
         keys: blocks.iter().map(key).collect(),
+        ..Default::default()
     };
     client
         .lookup(req)
@@ -303,6 +304,7 @@ async fn bad_input_gets_clear_statuses_and_changes_nothing() {
         .lookup(LookupRequest {
             namespace: NS.into(),
             keys: vec![vec![1, 2, 3]],
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -370,4 +372,98 @@ fn a_dir_that_cannot_be_created_is_a_clear_error() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("not-a-dir/store"), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+/// A partial block of `n` tokens continuing `blocks`, as a worker stores a prompt's tail.
+fn tail_block(blocks: &[Block], tokens: Vec<u32>) -> Block {
+    let parent = blocks.last().and_then(|b| BlockKey::from_slice(&key(b)));
+    let bytes = 2 * LAYOUT.0 * LAYOUT.1 * LAYOUT.2 * 4 * tokens.len() as u32;
+    let payload: Vec<u8> = (0..bytes)
+        .map(|b| (b as usize * 13 + tokens.len()) as u8)
+        .collect();
+    make_block_of(
+        NS,
+        parent.as_ref(),
+        tokens,
+        TOKENS_PER_BLOCK,
+        LAYOUT,
+        payload,
+    )
+}
+
+#[tokio::test]
+async fn partial_tail_blocks_are_found_by_prefix_under_their_parent_even_after_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let full = chain(2);
+    let tail5: Vec<u32> = vec![7001, 7002, 7003, 7004, 7005];
+    let tail3: Vec<u32> = tail5[..3].to_vec();
+    let partial5 = tail_block(&full, tail5.clone());
+    let partial3 = tail_block(&full, tail3);
+    let root_partial = tail_block(&[], vec![1, 2]);
+
+    let prompt = |extra: &[u32]| -> Vec<u32> {
+        let mut p: Vec<u32> = full
+            .iter()
+            .flat_map(|b| b.header.as_ref().unwrap().token_ids.clone())
+            .collect();
+        p.extend_from_slice(extra);
+        p
+    };
+    let ask = |c: &mut KvCacheClient<Channel>, keys: Vec<Vec<u8>>, tokens: Vec<u32>| {
+        let mut c = c.clone();
+        async move {
+            c.lookup(LookupRequest {
+                namespace: NS.into(),
+                keys,
+                prompt_tokens: tokens,
+                block_tokens: TOKENS_PER_BLOCK,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+        }
+    };
+
+    let svc = Service::start(dir.path());
+    let mut c = svc.client();
+    let all = vec![
+        full[0].clone(),
+        full[1].clone(),
+        partial5.clone(),
+        partial3,
+        root_partial.clone(),
+    ];
+    assert_eq!(store(&mut c, all).await, 5);
+
+    // The prompt continues with the five tail tokens and more: the longest match wins.
+    let keys: Vec<Vec<u8>> = full.iter().map(key).collect();
+    let r = ask(
+        &mut c,
+        keys.clone(),
+        prompt(&[7001, 7002, 7003, 7004, 7005, 9, 9]),
+    )
+    .await;
+    assert_eq!(r.blocks.len(), 2);
+    assert_eq!(r.partial_tokens, 5);
+    assert_eq!(r.partial.as_ref().unwrap().key, key(&partial5));
+    // Only the first three tokens agree: the three-token partial block is the match.
+    let r = ask(&mut c, keys.clone(), prompt(&[7001, 7002, 7003, 8000])).await;
+    assert_eq!(r.partial_tokens, 3);
+    // Diverging at once: no partial block.
+    let r = ask(&mut c, keys.clone(), prompt(&[1, 2, 3])).await;
+    assert!(r.partial.is_none());
+    // With no full block held, partial blocks hang under the namespace's root.
+    let r = ask(&mut c, vec![], vec![1, 2, 3]).await;
+    assert_eq!(r.partial.as_ref().unwrap().key, key(&root_partial));
+    svc.stop();
+
+    // After a restart the partial blocks come from the disk index, and fetch intact.
+    let svc = Service::start(dir.path());
+    let mut c = svc.client();
+    let r = ask(&mut c, keys, prompt(&tail5)).await;
+    assert_eq!(r.partial_tokens, 5);
+    assert_eq!(Tier::try_from(r.partial.unwrap().tier).unwrap(), Tier::Disk);
+    let got = fetch(&mut c, std::slice::from_ref(&partial5)).await;
+    assert_eq!(got[0].as_ref().unwrap(), &partial5);
+    svc.stop();
 }

@@ -60,10 +60,28 @@ impl KvCache for KvCacheService {
     ) -> Result<Response<LookupResponse>, Status> {
         let req = req.into_inner();
         let keys = keys(&req.keys)?;
+        if req.prompt_tokens.len() > MAX_KEYS_PER_REQUEST * 64 {
+            return Err(Status::invalid_argument("prompt_tokens too long"));
+        }
         let store = self.store.clone();
-        let found = tokio::task::spawn_blocking(move || store.lookup(&keys))
-            .await
-            .map_err(internal)?;
+        let (found, partial) = tokio::task::spawn_blocking(move || {
+            let found = store.lookup(&keys);
+            let block = req.block_tokens as usize;
+            let partial = if block > 0 && !req.prompt_tokens.is_empty() && !req.namespace.is_empty()
+            {
+                let parent = found
+                    .last()
+                    .map(|(k, _)| *k)
+                    .unwrap_or_else(|| crate::block::root_of(&req.namespace));
+                let tail = req.prompt_tokens.get(found.len() * block..).unwrap_or(&[]);
+                store.find_partial(&parent, tail)
+            } else {
+                None
+            };
+            (found, partial)
+        })
+        .await
+        .map_err(internal)?;
         Ok(Response::new(LookupResponse {
             blocks: found
                 .into_iter()
@@ -73,6 +91,12 @@ impl KvCache for KvCacheService {
                     payload_bytes: 0,
                 })
                 .collect(),
+            partial_tokens: partial.as_ref().map(|p| p.tokens as u32).unwrap_or(0),
+            partial: partial.map(|p| BlockLocation {
+                key: p.key.0.to_vec(),
+                tier: p.tier as i32,
+                payload_bytes: 0,
+            }),
         }))
     }
 

@@ -52,24 +52,69 @@ struct IndexEntry {
     size: u64,
     last_access: u64,
     namespace: String,
+    /// For partial (tail) blocks: the parent and the token ids, so that they can be found by
+    /// prefix after a restart without reading the files.
+    partial: Option<(BlockKey, Vec<u32>)>,
 }
 
 impl IndexEntry {
     fn encode(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(16 + self.namespace.len());
+        let mut v = Vec::with_capacity(20 + self.namespace.len());
         v.extend_from_slice(&self.size.to_le_bytes());
         v.extend_from_slice(&self.last_access.to_le_bytes());
+        v.extend_from_slice(&(self.namespace.len() as u32).to_le_bytes());
         v.extend_from_slice(self.namespace.as_bytes());
+        if let Some((parent, tokens)) = &self.partial {
+            v.extend_from_slice(&parent.0);
+            for t in tokens {
+                v.extend_from_slice(&t.to_le_bytes());
+            }
+        }
         v
     }
 
     fn decode(v: &[u8]) -> Option<Self> {
+        let u64_at = |i: usize| Some(u64::from_le_bytes(v.get(i..i + 8)?.try_into().ok()?));
+        let ns_len = u32::from_le_bytes(v.get(16..20)?.try_into().ok()?) as usize;
+        let namespace = String::from_utf8(v.get(20..20 + ns_len)?.to_vec()).ok()?;
+        let rest = v.get(20 + ns_len..)?;
+        let partial = if rest.is_empty() {
+            None
+        } else {
+            let parent = BlockKey::from_slice(rest.get(..32)?)?;
+            let tokens = rest.get(32..)?;
+            if tokens.len() % 4 != 0 {
+                return None;
+            }
+            let tokens = tokens
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            Some((parent, tokens))
+        };
         Some(Self {
-            size: u64::from_le_bytes(v.get(0..8)?.try_into().ok()?),
-            last_access: u64::from_le_bytes(v.get(8..16)?.try_into().ok()?),
-            namespace: String::from_utf8(v.get(16..)?.to_vec()).ok()?,
+            size: u64_at(0)?,
+            last_access: u64_at(8)?,
+            namespace,
+            partial,
         })
     }
+}
+
+/// A partial block as the index knows it: (key, parent, token ids).
+pub type PartialEntry = (BlockKey, BlockKey, Vec<u32>);
+
+fn partial_of(block: &Block) -> Option<(BlockKey, Vec<u32>)> {
+    let h = block.header.as_ref()?;
+    if !block::is_partial(h) {
+        return None;
+    }
+    let parent = if h.parent.is_empty() {
+        block::root_of(&h.namespace)
+    } else {
+        BlockKey::from_slice(&h.parent)?
+    };
+    Some((parent, h.token_ids.clone()))
 }
 
 /// What a disk read found.
@@ -100,6 +145,8 @@ pub struct DiskTier {
     meta: sled::Tree,
     /// Days since the epoch, UTC; replaceable in tests.
     today: fn() -> u64,
+    /// Partial blocks found at open, for the store's prefix index.
+    partials_at_open: Vec<PartialEntry>,
 }
 
 const WRITTEN_TODAY: &[u8] = b"written_today";
@@ -150,6 +197,7 @@ impl DiskTier {
             written_today,
             meta,
             today: utc_day,
+            partials_at_open: Vec::new(),
         };
         tier.recover()?;
         tier.measure_sled();
@@ -170,6 +218,9 @@ impl DiskTier {
             match fs::metadata(&path) {
                 Ok(m) if m.len() == entry.size => {
                     named.insert(path);
+                    if let Some((parent, tokens)) = entry.partial.clone() {
+                        self.partials_at_open.push((key, parent, tokens));
+                    }
                     self.clock = self.clock.max(entry.last_access + 1);
                     self.track(key, entry.size, entry.last_access);
                 }
@@ -222,10 +273,15 @@ impl DiskTier {
             return Ok(false);
         }
         self.clock += 1;
+        let partial = partial_of(&block);
+        if let Some((parent, tokens)) = partial.clone() {
+            self.partials_at_open.push((key, parent, tokens));
+        }
         let entry = IndexEntry {
             size: bytes.len() as u64,
             last_access: self.clock,
             namespace: block.header.map(|h| h.namespace).unwrap_or_default(),
+            partial,
         };
         self.index.insert(key.0, entry.encode())?;
         self.track(key, entry.size, entry.last_access);
@@ -357,6 +413,7 @@ impl DiskTier {
             size,
             last_access: self.clock,
             namespace,
+            partial: partial_of(block),
         };
         self.index.insert(key.0, entry.encode())?;
         self.track(key, size, self.clock);
@@ -367,6 +424,11 @@ impl DiskTier {
         v.extend_from_slice(&self.written_today.1.to_le_bytes());
         self.meta.insert(WRITTEN_TODAY, v)?;
         Ok(())
+    }
+
+    /// The partial blocks found when the tier was opened (once).
+    pub fn take_partials(&mut self) -> Vec<PartialEntry> {
+        std::mem::take(&mut self.partials_at_open)
     }
 
     /// Bytes written to this tier since midnight UTC.

@@ -41,7 +41,20 @@ struct Counters {
     budget_skips: AtomicU64,
 }
 
+/// Partial (tail) blocks by parent: (key, token ids). Entries whose block has since left both
+/// tiers are skipped at lookup and pruned.
+type PartialIndex = std::collections::HashMap<BlockKey, Vec<(BlockKey, Vec<u32>)>>;
+
+/// A partial block that continues a held prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartialMatch {
+    pub key: BlockKey,
+    pub tier: Tier,
+    pub tokens: usize,
+}
+
 struct Inner {
+    partials: Mutex<PartialIndex>,
     ram: Mutex<RamTier>,
     disk: Mutex<DiskTier>,
     counters: Counters,
@@ -77,9 +90,14 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Store {
     pub fn open(config: StoreConfig) -> Result<(Self, Writer), DiskError> {
-        let disk =
+        let mut disk =
             DiskTier::open_with_budget(&config.dir, config.disk_bytes, config.disk_write_budget)?;
+        let mut partials = PartialIndex::new();
+        for (key, parent, tokens) in disk.take_partials() {
+            partials.entry(parent).or_default().push((key, tokens));
+        }
         let inner = Arc::new(Inner {
+            partials: Mutex::new(partials),
             ram: Mutex::new(RamTier::new(config.ram_bytes)),
             disk: Mutex::new(disk),
             counters: Counters::default(),
@@ -138,6 +156,15 @@ impl Store {
                 return Err(e.to_string());
             }
         };
+        if let Some(h) = block.header.as_ref().filter(|h| block::is_partial(h)) {
+            let parent =
+                BlockKey::from_slice(&h.parent).unwrap_or_else(|| block::root_of(&h.namespace));
+            let mut partials = lock(&self.inner.partials);
+            let list = partials.entry(parent).or_default();
+            if !list.iter().any(|(k, _)| *k == key) {
+                list.push((key, h.token_ids.clone()));
+            }
+        }
         let block = Arc::new(block);
         let evicted = lock(&self.inner.ram).insert(key, block.clone(), false);
         match evicted {
@@ -166,20 +193,48 @@ impl Store {
         Ok(())
     }
 
+    fn tier_of(&self, key: &BlockKey) -> Option<Tier> {
+        if lock(&self.inner.ram).contains(key) {
+            Some(Tier::Ram)
+        } else if lock(&self.inner.disk).contains(key) {
+            Some(Tier::Disk)
+        } else {
+            None
+        }
+    }
+
     /// The longest held prefix of `keys`, with each block's tier.
     pub fn lookup(&self, keys: &[BlockKey]) -> Vec<(BlockKey, Tier)> {
-        let mut found = Vec::new();
-        for key in keys {
-            let tier = if lock(&self.inner.ram).contains(key) {
-                Tier::Ram
-            } else if lock(&self.inner.disk).contains(key) {
-                Tier::Disk
-            } else {
-                break;
-            };
-            found.push((*key, tier));
+        keys.iter()
+            .map_while(|k| self.tier_of(k).map(|t| (*k, t)))
+            .collect()
+    }
+
+    /// The longest partial block stored under `parent` whose tokens start `tail`.
+    pub fn find_partial(&self, parent: &BlockKey, tail: &[u32]) -> Option<PartialMatch> {
+        let candidates: Vec<(BlockKey, usize)> = lock(&self.inner.partials)
+            .get(parent)?
+            .iter()
+            .filter(|(_, tokens)| tokens.len() <= tail.len() && tail.starts_with(tokens))
+            .map(|(k, tokens)| (*k, tokens.len()))
+            .collect();
+        let mut best: Option<PartialMatch> = None;
+        let mut gone = Vec::new();
+        for (key, tokens) in candidates {
+            match self.tier_of(&key) {
+                Some(tier) if best.as_ref().is_none_or(|b| tokens > b.tokens) => {
+                    best = Some(PartialMatch { key, tier, tokens });
+                }
+                Some(_) => {}
+                None => gone.push(key),
+            }
         }
-        found
+        if !gone.is_empty()
+            && let Some(list) = lock(&self.inner.partials).get_mut(parent)
+        {
+            list.retain(|(k, _)| !gone.contains(k));
+        }
+        best
     }
 
     /// One block of `namespace`, from RAM or from disk (then kept in RAM). Blocks that fail
