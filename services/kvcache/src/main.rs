@@ -41,6 +41,16 @@ enum Command {
         #[arg(long, value_parser = parse_bytes)]
         disk_write_budget: Option<u64>,
     },
+    /// Read bandwidth of L1 and L2 against the disk's own (`dd`), and sled vs files for
+    /// payloads. Writes about 3x --total into --dir. Not part of CI.
+    Bench {
+        #[arg(long)]
+        dir: PathBuf,
+        #[arg(long, default_value = "2GiB", value_parser = parse_bytes)]
+        total: u64,
+        #[arg(long, default_value = "4MiB", value_parser = parse_bytes)]
+        block: u64,
+    },
 }
 
 fn parse_bytes(s: &str) -> Result<u64, String> {
@@ -57,6 +67,14 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     strata_runtime::logging::init("strata-kvcache");
     match cli.command {
+        Command::Bench { dir, total, block } => {
+            strata_kvcache::bench::run(strata_kvcache::bench::BenchArgs {
+                dir,
+                total_bytes: total,
+                block_bytes: block,
+            })
+            .await
+        }
         Command::Serve {
             socket,
             dir,
