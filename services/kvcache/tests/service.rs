@@ -44,9 +44,15 @@ struct Service {
 
 impl Service {
     fn start(dir: &Path) -> Self {
+        Self::start_with(dir, &[])
+    }
+
+    fn start_with(dir: &Path, extra: &[&str]) -> Self {
         let socket = dir.join("kv.sock");
         let mut child = Command::new(env!("CARGO_BIN_EXE_strata-kvcache"))
-            .args(["serve", "--ram", "8MiB", "--disk", "64MiB", "--socket"])
+            .args(["serve", "--ram", "8MiB", "--disk", "64MiB"])
+            .args(extra)
+            .arg("--socket")
             .arg(&socket)
             .arg("--dir")
             .arg(dir.join("store"))
@@ -237,30 +243,8 @@ fn blocks_owned(n: usize) -> Vec<Block> {
 #[tokio::test]
 async fn once_the_daily_write_budget_is_spent_blocks_stay_in_ram_and_stats_say_so() {
     let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("kv.sock");
     // Each test block is about 32 KiB on disk: a 100 KiB budget takes three of them.
-    let mut child = Command::new(env!("CARGO_BIN_EXE_strata-kvcache"))
-        .args([
-            "serve",
-            "--ram",
-            "8MiB",
-            "--disk",
-            "64MiB",
-            "--disk-write-budget",
-            "100KiB",
-            "--socket",
-        ])
-        .arg(&socket)
-        .arg("--dir")
-        .arg(dir.path().join("store"))
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-        assert!(Instant::now() < deadline, "socket did not appear");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let svc = Service { child, socket };
+    let svc = Service::start_with(dir.path(), &["--disk-write-budget", "100KiB"]);
     let mut c = svc.client();
     let blocks = chain(8);
     assert_eq!(
@@ -285,10 +269,7 @@ async fn once_the_daily_write_budget_is_spent_blocks_stay_in_ram_and_stats_say_s
     assert!(stats.disk_bytes_written_today <= 100 * 1024);
     // Every block is still served (from RAM).
     assert_eq!(lookup(&mut c, &blocks).await.len(), 8);
-    child = svc.child;
-    // SAFETY: kill(2) on our own child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    assert!(child.wait().unwrap().success());
+    svc.stop();
 }
 
 #[tokio::test]
