@@ -12,11 +12,10 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use strata_proto::kvcache::kv_cache_client::KvCacheClient;
-use strata_proto::kvcache::{Block, FetchRequest};
-use tonic::transport::Channel;
+use strata_proto::kvcache::{Block, FetchRequest, StatsRequest};
 
 use crate::block::{BlockKey, make_block};
+use crate::client::CacheClient;
 
 const NS: &str = "bench";
 
@@ -95,20 +94,37 @@ fn stop(child: &mut Child) {
     let _ = child.wait();
 }
 
+/// Reads every block back in chunks of 16, through the service (`file_reads` false: payloads
+/// over gRPC) or the worker's client (`file_reads` true: disk-only blocks read from their
+/// files by the client). Every block is verified either way.
 async fn read_all(
-    client: &mut KvCacheClient<Channel>,
-    keys: &[Vec<u8>],
+    socket: &Path,
+    keys: &[BlockKey],
+    file_reads: bool,
 ) -> anyhow::Result<(u64, f64)> {
+    let mut client = CacheClient::connect(socket, Duration::from_secs(5));
     let started = Instant::now();
     let mut bytes = 0u64;
     for chunk in keys.chunks(16) {
-        let req = FetchRequest {
-            namespace: NS.into(),
-            keys: chunk.to_vec(),
-        };
-        let mut stream = client.fetch(req).await?.into_inner();
-        while let Some(b) = stream.message().await? {
-            bytes += b.payload.len() as u64;
+        if file_reads {
+            let got = client
+                .fetch_prefix(NS, chunk, Duration::from_secs(60))
+                .await?;
+            if got.len() != chunk.len() {
+                bail!("{} of {} blocks came back", got.len(), chunk.len());
+            }
+            bytes += got.iter().map(|b| b.payload.len() as u64).sum::<u64>();
+        } else {
+            let req = FetchRequest {
+                namespace: NS.into(),
+                keys: chunk.iter().map(|k| k.0.to_vec()).collect(),
+                file_reads: false,
+            };
+            let mut stream = client.rpc().fetch(req).await?.into_inner();
+            while let Some(b) = stream.message().await? {
+                crate::block::verify(&b)?;
+                bytes += b.payload.len() as u64;
+            }
         }
     }
     Ok((bytes, started.elapsed().as_secs_f64()))
@@ -118,9 +134,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&args.dir)?;
     let blocks = blocks(&args);
     let total: u64 = blocks.iter().map(|b| b.payload.len() as u64).sum();
-    let keys: Vec<Vec<u8>> = blocks
+    let keys: Vec<BlockKey> = blocks
         .iter()
-        .map(|b| b.header.as_ref().map(|h| h.key.clone()).unwrap_or_default())
+        .filter_map(|b| b.header.as_ref().and_then(|h| BlockKey::from_slice(&h.key)))
         .collect();
     let ram = total + (256 << 20);
     let disk = total * 2 + (64 << 20);
@@ -128,31 +144,42 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
 
     // Store through the service, wait for the disk writer, then read L1.
     let (mut child, socket) = start(&args.dir, ram, disk)?;
-    let mut client = KvCacheClient::new(strata_runtime::uds::channel(
-        &socket,
-        Duration::from_secs(5),
-    ))
-    .max_decoding_message_size(crate::grpc::MAX_MESSAGE_BYTES)
-    .max_encoding_message_size(crate::grpc::MAX_MESSAGE_BYTES);
+    let mut client = CacheClient::connect(&socket, Duration::from_secs(5));
     let t = Instant::now();
     for chunk in blocks.chunks(8) {
-        client.store(tokio_stream::iter(chunk.to_vec())).await?;
+        client
+            .rpc()
+            .store(tokio_stream::iter(chunk.to_vec()))
+            .await?;
     }
     let store_secs = t.elapsed().as_secs_f64();
-    let (l1_bytes, l1_secs) = read_all(&mut client, &keys).await?;
+    // Wait for the writer, so that L1 reads see blocks that are in RAM and on disk.
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let stats = client.rpc().stats(StatsRequest {}).await?.into_inner();
+        if stats.disk.is_some_and(|d| d.blocks >= keys.len() as u64) {
+            break;
+        }
+        if Instant::now() > deadline {
+            bail!("the disk writer did not catch up");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (l1_bytes, l1_secs) = read_all(&socket, &keys, false).await?;
+    let (l1f_bytes, l1f_secs) = read_all(&socket, &keys, true).await?;
     let rss_l1 = peak_rss_mb(child.id());
     stop(&mut child);
 
-    // L2: a fresh process, cold page cache.
+    // L2: a fresh process, cold page cache; first the service reading the files and sending
+    // payloads over gRPC, then (cold again, fresh process) the client reading them itself.
     let dropped = drop_caches();
     let (mut child, socket) = start(&args.dir, ram, disk)?;
-    let mut client = KvCacheClient::new(strata_runtime::uds::channel(
-        &socket,
-        Duration::from_secs(5),
-    ))
-    .max_decoding_message_size(crate::grpc::MAX_MESSAGE_BYTES);
-    let (l2_bytes, l2_secs) = read_all(&mut client, &keys).await?;
+    let (l2_bytes, l2_secs) = read_all(&socket, &keys, false).await?;
     let rss_l2 = peak_rss_mb(child.id());
+    stop(&mut child);
+    drop_caches();
+    let (mut child, socket) = start(&args.dir, ram, disk)?;
+    let (l2d_bytes, l2d_secs) = read_all(&socket, &keys, true).await?;
     stop(&mut child);
 
     // Raw: dd of one file of the same size in the same directory.
@@ -179,10 +206,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     drop_caches();
     let t = Instant::now();
     let mut file_bytes = 0u64;
-    for k in &keys {
-        let Some(key) = BlockKey::from_slice(k) else {
-            continue;
-        };
+    for key in &keys {
         let hex = key.hex();
         let path = args
             .dir
@@ -201,7 +225,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         .cache_capacity(16 << 20)
         .open()?;
     for (k, b) in keys.iter().zip(&blocks) {
-        db.insert(k, b.payload.as_slice())?;
+        db.insert(k.0, b.payload.as_ref())?;
     }
     db.flush()?;
     drop(db);
@@ -214,7 +238,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let t = Instant::now();
     let mut sled_bytes = 0u64;
     for k in &keys {
-        sled_bytes += db.get(k)?.map(|v| v.len() as u64).unwrap_or(0);
+        sled_bytes += db.get(k.0)?.map(|v| v.len() as u64).unwrap_or(0);
     }
     let sled_secs = t.elapsed().as_secs_f64();
     drop(db);
@@ -235,10 +259,18 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     println!("{:<44} {:>8} {:>10}", "path", "GB/s", "vs raw dd");
     let row = |name: &str, v: f64| println!("{name:<44} {v:>8.2} {:>10.2}", v / raw_gb);
     row("store over gRPC (ack from RAM)", gb(total, store_secs));
-    row("L1 read: RAM over gRPC Fetch", gb(l1_bytes, l1_secs));
+    row("L1 read: RAM, payloads over gRPC", gb(l1_bytes, l1_secs));
     row(
-        "L2 read: block files after restart, cold",
+        "L1 read: RAM, worker client (file, page cache)",
+        gb(l1f_bytes, l1f_secs),
+    );
+    row(
+        "L2 read: service reads files, gRPC, cold",
         gb(l2_bytes, l2_secs),
+    );
+    row(
+        "L2 read: worker client reads files, cold",
+        gb(l2d_bytes, l2d_secs),
     );
     row(
         "placement: block files read directly, cold",

@@ -4,6 +4,8 @@
 
 use std::fmt;
 
+use prost::Message;
+use prost::bytes::Bytes;
 use strata_proto::kvcache::{Block, BlockHeader, StateKind};
 
 /// Version of the block header and payload layout.
@@ -139,6 +141,61 @@ pub fn root_of(namespace: &str) -> BlockKey {
     BlockKey::chain(namespace, None, &[])
 }
 
+/// Magic at the start of every block file.
+pub const FILE_MAGIC: &[u8; 8] = b"STKVBLK1";
+
+/// A block as one file: magic, header length (u32 LE), encoded header, payload. The service
+/// writes these; callers with file reads (FetchRequest.file_reads) read them directly.
+pub fn encode_file_prefix(block: &Block) -> Vec<u8> {
+    let header = block
+        .header
+        .as_ref()
+        .map(|h| h.encode_to_vec())
+        .unwrap_or_default();
+    let mut v = Vec::with_capacity(FILE_MAGIC.len() + 4 + header.len());
+    v.extend_from_slice(FILE_MAGIC);
+    v.extend_from_slice(&(header.len() as u32).to_le_bytes());
+    v.extend_from_slice(&header);
+    v
+}
+
+/// Parses a block file (without verifying it: see `verify`). The payload shares `bytes`.
+pub fn decode_file(bytes: Bytes) -> Result<Block, String> {
+    let rest = bytes.strip_prefix(FILE_MAGIC).ok_or("bad magic")?;
+    let len = rest
+        .get(..4)
+        .and_then(|b| <[u8; 4]>::try_from(b).ok())
+        .map(u32::from_le_bytes)
+        .ok_or("truncated")? as usize;
+    let header = rest.get(4..4 + len).ok_or("truncated header")?;
+    let header = BlockHeader::decode(header).map_err(|e| format!("header: {e}"))?;
+    let start = FILE_MAGIC.len() + 4 + len;
+    Ok(Block {
+        header: Some(header),
+        payload: bytes.slice(start..),
+        file: None,
+    })
+}
+
+/// Reads a block file and checks it is the block `key` names, whole and unaltered.
+pub fn read_file_verified(path: &std::path::Path, key: &BlockKey) -> Result<Block, FileReadError> {
+    let bytes = std::fs::read(path).map_err(FileReadError::Io)?;
+    let block = decode_file(Bytes::from(bytes)).map_err(FileReadError::Corrupt)?;
+    match verify(&block) {
+        Ok(k) if k == *key => Ok(block),
+        Ok(_) => Err(FileReadError::Corrupt("file holds another block".into())),
+        Err(e) => Err(FileReadError::Corrupt(e.to_string())),
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum FileReadError {
+    #[error("{0}")]
+    Io(std::io::Error),
+    #[error("corrupt block file: {0}")]
+    Corrupt(String),
+}
+
 /// Builds a valid full block (used by clients and tests).
 pub fn make_block(
     namespace: &str,
@@ -179,7 +236,8 @@ pub fn make_block_of(
             payload_checksum: blake3::hash(&payload).as_bytes().to_vec(),
             block_tokens,
         }),
-        payload,
+        payload: Bytes::from(payload),
+        file: None,
     }
 }
 
@@ -220,13 +278,15 @@ mod tests {
         verify(&block(vec![3], Some(&key))).unwrap();
 
         let mut b = root.clone();
-        b.payload[5] ^= 1;
+        let mut bad = b.payload.to_vec();
+        bad[5] ^= 1;
+        b.payload = bad.into();
         assert_eq!(verify(&b), Err(BlockError::ChecksumMismatch));
         let mut b = root.clone();
         b.header.as_mut().unwrap().token_ids[0] = 9;
         assert_eq!(verify(&b), Err(BlockError::KeyMismatch));
         let mut b = root.clone();
-        b.payload.pop();
+        b.payload.truncate(b.payload.len() - 1);
         assert!(matches!(verify(&b), Err(BlockError::SizeMismatch { .. })));
         let mut b = root.clone();
         b.header.as_mut().unwrap().kv_heads = 2;

@@ -2,5 +2,6 @@
 
 pub mod bench;
 pub mod block;
+pub mod client;
 pub mod grpc;
 pub mod store;

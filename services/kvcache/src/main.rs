@@ -95,7 +95,7 @@ async fn main() -> anyhow::Result<()> {
                 .max_decoding_message_size(MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_MESSAGE_BYTES);
             strata_runtime::shutdown::serve_until_signal("kvcache", DRAIN_GRACE, |drain| {
-                tonic::transport::Server::builder()
+                strata_runtime::uds::server()
                     .add_service(service)
                     .serve_with_incoming_shutdown(incoming, drain)
             })

@@ -120,6 +120,7 @@ async fn fetch(
     let req = FetchRequest {
         namespace: NS.into(),
         keys: blocks.iter().map(key).collect(),
+        file_reads: false,
     };
     let mut stream = client.fetch(req).await.unwrap().into_inner();
     let mut out = Vec::new();
@@ -153,7 +154,9 @@ async fn blocks_are_served_from_ram_then_from_disk_after_a_restart() {
 
     // A lying block is refused, and never served.
     let mut bad = chain(25).pop().unwrap();
-    bad.payload[0] ^= 1;
+    let mut payload = bad.payload.to_vec();
+    payload[0] ^= 1;
+    bad.payload = payload.into();
     let r = c
         .store(tokio_stream::iter(vec![bad.clone()]))
         .await
@@ -296,6 +299,7 @@ async fn bad_input_gets_clear_statuses_and_changes_nothing() {
         .fetch(FetchRequest {
             namespace: String::new(),
             keys: vec![key(&blocks[0])],
+            file_reads: false,
         })
         .await
         .unwrap_err();
@@ -304,6 +308,7 @@ async fn bad_input_gets_clear_statuses_and_changes_nothing() {
     let req = FetchRequest {
         namespace: "another-model".into(),
         keys: vec![key(&blocks[0])],
+        file_reads: false,
     };
     let mut stream = c.fetch(req).await.unwrap().into_inner();
     assert_eq!(
@@ -315,7 +320,8 @@ async fn bad_input_gets_clear_statuses_and_changes_nothing() {
     liar.header.as_mut().unwrap().token_ids.reverse();
     let headless = Block {
         header: None,
-        payload: vec![0; 16],
+        payload: vec![0; 16].into(),
+        file: None,
     };
     let r = c
         .store(tokio_stream::iter(vec![headless, liar]))

@@ -293,7 +293,7 @@ async fn serve(socket: PathBuf, info: ModelInfo) -> anyhow::Result<()> {
         "worker",
         std::time::Duration::from_secs(3),
         |drain| {
-            tonic::transport::Server::builder()
+            strata_runtime::uds::server()
                 .add_service(WorkerServer::new(WorkerService::new(info)))
                 .serve_with_incoming_shutdown(incoming, drain)
         },

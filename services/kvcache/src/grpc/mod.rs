@@ -17,6 +17,8 @@ use crate::store::Store;
 pub const MAX_KEYS_PER_REQUEST: usize = 65_536;
 /// Largest message (one block) accepted or sent.
 pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
+/// Blocks read ahead of the one being sent in a Fetch.
+const FETCH_AHEAD: usize = 4;
 
 pub struct KvCacheService {
     store: Store,
@@ -111,18 +113,41 @@ impl KvCache for KvCacheService {
         if req.namespace.is_empty() {
             return Err(Status::invalid_argument("namespace is empty"));
         }
-        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let (tx, rx) = tokio::sync::mpsc::channel(FETCH_AHEAD);
         let store = self.store.clone();
-        tokio::task::spawn_blocking(move || {
-            for key in keys {
-                let item = match store.fetch(&req.namespace, &key) {
-                    Ok(Some(b)) => Ok((*b).clone()),
-                    Ok(None) => Err(Status::not_found(format!("block {} not held", key.hex()))),
-                    Err(e) => Err(internal(e)),
+        let namespace: std::sync::Arc<str> = req.namespace.into();
+        let file_reads = req.file_reads;
+        tokio::spawn(async move {
+            // Up to FETCH_AHEAD blocks are read at once (disk reads run in parallel and overlap
+            // with sending); they are sent in request order.
+            let mut pending = std::collections::VecDeque::new();
+            let mut keys = keys.into_iter();
+            loop {
+                while pending.len() < FETCH_AHEAD {
+                    let Some(key) = keys.next() else { break };
+                    let (store, namespace) = (store.clone(), namespace.clone());
+                    pending.push_back(tokio::task::spawn_blocking(move || {
+                        let found = if file_reads {
+                            store.fetch_or_locate(&namespace, &key)
+                        } else {
+                            store.fetch(&namespace, &key)
+                        };
+                        match found {
+                            Ok(Some(b)) => Ok((*b).clone()),
+                            Ok(None) => {
+                                Err(Status::not_found(format!("block {} not held", key.hex())))
+                            }
+                            Err(e) => Err(internal(e)),
+                        }
+                    }));
+                }
+                let Some(next) = pending.pop_front() else {
+                    break;
                 };
+                let item = next.await.unwrap_or_else(|e| Err(internal(e)));
                 let stop = item.is_err();
                 // The client went away (dropped the stream): stop reading blocks for it.
-                if tx.blocking_send(item).is_err() || stop {
+                if tx.send(item).await.is_err() || stop {
                     break;
                 }
             }

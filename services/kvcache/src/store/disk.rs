@@ -14,12 +14,11 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use prost::Message;
-use strata_proto::kvcache::{Block, BlockHeader};
+use prost::bytes::Bytes;
+use strata_proto::kvcache::Block;
 
 use crate::block::{self, BlockKey};
 
-const MAGIC: &[u8; 8] = b"STKVBLK1";
 /// sled's page cache: its default of 1 GiB would dwarf the RAM goal of the service.
 const SLED_CACHE_BYTES: u64 = 16 << 20;
 /// Room kept for the index to grow between two measurements: sled extends its file one
@@ -263,7 +262,8 @@ impl DiskTier {
         let Ok(bytes) = fs::read(path) else {
             return Ok(false);
         };
-        let Ok(block) = decode_file(&bytes) else {
+        let file_bytes = bytes.len() as u64;
+        let Ok(block) = block::decode_file(Bytes::from(bytes)) else {
             return Ok(false);
         };
         let Ok(key) = block::verify(&block) else {
@@ -278,7 +278,7 @@ impl DiskTier {
             self.partials_at_open.push((key, parent, tokens));
         }
         let entry = IndexEntry {
-            size: bytes.len() as u64,
+            size: file_bytes,
             last_access: self.clock,
             namespace: block.header.map(|h| h.namespace).unwrap_or_default(),
             partial,
@@ -363,12 +363,8 @@ impl DiskTier {
         if self.contains(&key) {
             return Ok(());
         }
-        let header = block
-            .header
-            .as_ref()
-            .map(|h| h.encode_to_vec())
-            .unwrap_or_default();
-        let size = (MAGIC.len() + 4 + header.len() + block.payload.len()) as u64;
+        let prefix = block::encode_file_prefix(block);
+        let size = (prefix.len() + block.payload.len()) as u64;
         if let Some(budget) = self.write_budget
             && self.written_today() + size > budget
         {
@@ -396,12 +392,15 @@ impl DiskTier {
         }
         let tmp = path.with_extension("tmp");
         let mut f = fs::File::create(&tmp).map_err(io(&tmp))?;
-        f.write_all(MAGIC).map_err(io(&tmp))?;
-        f.write_all(&(header.len() as u32).to_le_bytes())
-            .map_err(io(&tmp))?;
-        f.write_all(&header).map_err(io(&tmp))?;
-        f.write_all(&block.payload).map_err(io(&tmp))?;
+        let written = f
+            .write_all(&prefix)
+            .and_then(|()| f.write_all(&block.payload));
         drop(f);
+        if let Err(e) = written {
+            // A full disk, most often: leave nothing half-written behind.
+            let _ = fs::remove_file(&tmp);
+            return Err(io(&tmp)(e));
+        }
         fs::rename(&tmp, &path).map_err(io(&path))?;
         self.clock += 1;
         let namespace = block
@@ -444,37 +443,52 @@ impl DiskTier {
         self.write_budget
     }
 
+    /// Where block `key` lives, if this tier holds it. Reading the file needs no lock on the
+    /// tier: files are renamed into place complete and never modified; one deleted meanwhile
+    /// fails to open, which is a miss.
+    pub fn locate(&self, key: &BlockKey) -> Option<(PathBuf, u64)> {
+        let &(size, _) = self.sizes.get(key)?;
+        Some((self.path_of(key), size))
+    }
+
     /// Reads and re-verifies a block; a bad file is deleted and reported.
     pub fn read(&mut self, key: &BlockKey) -> Result<ReadOutcome, DiskError> {
-        if !self.contains(key) {
+        let Some((path, _)) = self.locate(key) else {
             return Ok(ReadOutcome::Miss);
-        }
-        let path = self.path_of(key);
-        let bytes = match fs::read(&path) {
-            Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+        };
+        let outcome = read_located(&path, key);
+        self.settle(key, outcome)
+    }
+
+    /// Records the result of a read made without the lock: a hit is a use (LRU), a bad file
+    /// is deleted.
+    pub fn settle(
+        &mut self,
+        key: &BlockKey,
+        outcome: ReadOutcome,
+    ) -> Result<ReadOutcome, DiskError> {
+        match &outcome {
+            ReadOutcome::Hit(_) => self.touch(key)?,
+            ReadOutcome::Corrupt(_) if self.contains(key) => self.remove(key)?,
+            // The index names a file that is gone (deleted behind our back): forget it.
+            ReadOutcome::Miss
+                if self.contains(key) && self.locate(key).is_some_and(|(p, _)| !p.exists()) =>
+            {
                 self.remove(key)?;
                 return Ok(ReadOutcome::Corrupt("file missing".into()));
             }
-            Err(e) => return Err(io(&path)(e)),
-        };
-        match decode_file(&bytes).and_then(|b| {
-            let k = block::verify(&b).map_err(|e| e.to_string())?;
-            if k == *key {
-                Ok(b)
-            } else {
-                Err("file holds another block".into())
-            }
-        }) {
-            Ok(b) => {
-                self.touch(key)?;
-                Ok(ReadOutcome::Hit(b))
-            }
-            Err(why) => {
-                self.remove(key)?;
-                Ok(ReadOutcome::Corrupt(why))
-            }
+            _ => {}
         }
+        Ok(outcome)
+    }
+
+    /// The namespace the index records for block `key`.
+    pub fn namespace_of(&self, key: &BlockKey) -> Result<Option<String>, DiskError> {
+        Ok(self
+            .index
+            .get(key.0)?
+            .and_then(|v| IndexEntry::decode(&v))
+            .map(|e| e.namespace))
     }
 
     /// Records a use, persistently, so that LRU order survives restarts.
@@ -524,6 +538,18 @@ impl DiskTier {
     }
 }
 
+/// Reads and verifies the file of block `key` (no lock held). A file that vanished was evicted
+/// meanwhile: a miss, not corruption.
+pub fn read_located(path: &Path, key: &BlockKey) -> ReadOutcome {
+    match block::read_file_verified(path, key) {
+        Ok(b) => ReadOutcome::Hit(b),
+        Err(block::FileReadError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => {
+            ReadOutcome::Miss
+        }
+        Err(e) => ReadOutcome::Corrupt(e.to_string()),
+    }
+}
+
 /// Opens sled, waiting briefly for a previous owner (a process still exiting, or an earlier
 /// handle in this process whose flusher thread has not stopped yet) to release its lock.
 fn open_index(path: &Path) -> Result<sled::Db, DiskError> {
@@ -544,22 +570,6 @@ fn open_index(path: &Path) -> Result<sled::Db, DiskError> {
             other => return Ok(other?),
         }
     }
-}
-
-fn decode_file(bytes: &[u8]) -> Result<Block, String> {
-    let rest = bytes.strip_prefix(MAGIC).ok_or("bad magic")?;
-    let len = u32::from_le_bytes(
-        rest.get(..4)
-            .ok_or("truncated")?
-            .try_into()
-            .map_err(|_| "truncated")?,
-    ) as usize;
-    let header = rest.get(4..4 + len).ok_or("truncated header")?;
-    let header = BlockHeader::decode(header).map_err(|e| format!("header: {e}"))?;
-    Ok(Block {
-        header: Some(header),
-        payload: rest[4 + len..].to_vec(),
-    })
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@ use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use strata_proto::kvcache::{Block, StatsResponse, Tier, TierStats};
+use strata_proto::kvcache::{Block, BlockFile, StatsResponse, Tier, TierStats};
 
 use crate::block::{self, BlockKey};
 use disk::{DiskError, DiskTier, ReadOutcome};
@@ -80,6 +80,10 @@ pub struct Writer {
     thread: std::thread::JoinHandle<()>,
     jobs: SyncSender<WriteJob>,
     done: Receiver<()>,
+}
+
+fn in_namespace(b: &Block, namespace: &str) -> bool {
+    b.header.as_ref().is_some_and(|h| h.namespace == namespace)
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -165,7 +169,12 @@ impl Store {
                 list.push((key, h.token_ids.clone()));
             }
         }
-        let block = Arc::new(block);
+        // The payload may be a slice of a larger receive buffer; kept as it is, the whole buffer
+        // would stay alive with it and the RAM tier would hold more than it counts.
+        let block = Arc::new(Block {
+            payload: prost::bytes::Bytes::copy_from_slice(&block.payload),
+            ..block
+        });
         let evicted = lock(&self.inner.ram).insert(key, block.clone(), false);
         match evicted {
             Some(ev) => {
@@ -238,21 +247,21 @@ impl Store {
     }
 
     /// One block of `namespace`, from RAM or from disk (then kept in RAM). Blocks that fail
-    /// verification are dropped and counted; they are misses.
+    /// verification are dropped and counted; they are misses. The disk lock is not held while
+    /// the file is read, so several fetches read in parallel.
     pub fn fetch(&self, namespace: &str, key: &BlockKey) -> Result<Option<Arc<Block>>, DiskError> {
         let c = &self.inner.counters;
-        let in_namespace = |b: &Block| b.header.as_ref().is_some_and(|h| h.namespace == namespace);
-        if let Some(b) = lock(&self.inner.ram).get(key) {
-            if in_namespace(&b) {
-                c.ram_hits.fetch_add(1, Ordering::Relaxed);
-                return Ok(Some(b));
-            }
-            c.misses.fetch_add(1, Ordering::Relaxed);
-            return Ok(None);
+        if let Some(b) = self.from_ram(namespace, key) {
+            return Ok(b);
         }
-        let outcome = lock(&self.inner.disk).read(key)?;
+        let located = lock(&self.inner.disk).locate(key);
+        let outcome = match located {
+            Some((path, _)) => disk::read_located(&path, key),
+            None => ReadOutcome::Miss,
+        };
+        let outcome = lock(&self.inner.disk).settle(key, outcome)?;
         match outcome {
-            ReadOutcome::Hit(b) if in_namespace(&b) => {
+            ReadOutcome::Hit(b) if in_namespace(&b, namespace) => {
                 c.disk_hits.fetch_add(1, Ordering::Relaxed);
                 let b = Arc::new(b);
                 if let Some(ev) = lock(&self.inner.ram).insert(*key, b.clone(), true) {
@@ -270,6 +279,70 @@ impl Store {
                 c.misses.fetch_add(1, Ordering::Relaxed);
                 Ok(None)
             }
+        }
+    }
+
+    /// Like `fetch`, but a block that is on disk comes back as a reference to its file, for a
+    /// caller on this host to read and verify itself: the zero-copy path. A block in RAM that
+    /// is also on disk is sent as a file too, since its file is then almost always in the
+    /// page cache (just written or just read) and one file read beats the gRPC copies; only
+    /// RAM-only blocks (not yet written, or kept off disk by the budget or a full disk) come
+    /// as payloads. Disk-only blocks are not promoted to RAM (the caller keeps its own copy).
+    pub fn fetch_or_locate(
+        &self,
+        namespace: &str,
+        key: &BlockKey,
+    ) -> Result<Option<Arc<Block>>, DiskError> {
+        let c = &self.inner.counters;
+        let in_ram = {
+            let ram = lock(&self.inner.ram);
+            ram.contains(key).then(|| ram.is_persisted(key))
+        };
+        if in_ram == Some(false) {
+            return Ok(self.from_ram(namespace, key).flatten());
+        }
+        let mut disk = lock(&self.inner.disk);
+        match disk.locate(key) {
+            Some((path, size)) if disk.namespace_of(key)?.as_deref() == Some(namespace) => {
+                disk.touch(key)?;
+                if in_ram.is_some() {
+                    lock(&self.inner.ram).get(key);
+                    c.ram_hits.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    c.disk_hits.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(Some(Arc::new(Block {
+                    header: None,
+                    payload: Default::default(),
+                    file: Some(BlockFile {
+                        path: path.to_string_lossy().into_owned(),
+                        size,
+                    }),
+                })))
+            }
+            // Evicted from disk meanwhile, still in RAM: send the payload.
+            _ if in_ram.is_some() => {
+                drop(disk);
+                Ok(self.from_ram(namespace, key).flatten())
+            }
+            _ => {
+                c.misses.fetch_add(1, Ordering::Relaxed);
+                Ok(None)
+            }
+        }
+    }
+
+    /// Some(answer) when RAM decides: the block, or a miss because it belongs to another
+    /// namespace. None: not in RAM.
+    fn from_ram(&self, namespace: &str, key: &BlockKey) -> Option<Option<Arc<Block>>> {
+        let c = &self.inner.counters;
+        let b = lock(&self.inner.ram).get(key)?;
+        if in_namespace(&b, namespace) {
+            c.ram_hits.fetch_add(1, Ordering::Relaxed);
+            Some(Some(b))
+        } else {
+            c.misses.fetch_add(1, Ordering::Relaxed);
+            Some(None)
         }
     }
 

@@ -74,6 +74,11 @@ impl RamTier {
         Some(e.block.clone())
     }
 
+    /// Whether the block is held and already written to disk (without marking a use).
+    pub fn is_persisted(&self, key: &BlockKey) -> bool {
+        self.entries.get(key).is_some_and(|e| e.persisted)
+    }
+
     /// Keeps `block`, evicting least recently used blocks (those already on disk first) until
     /// it fits. Returns None if the block alone is larger than the tier.
     pub fn insert(&mut self, key: BlockKey, block: Arc<Block>, persisted: bool) -> Option<Evicted> {

@@ -1,0 +1,134 @@
+//! The worker's side of the cache service: a cheap handle over the gRPC channel that fetches
+//! blocks the fast way. Blocks in the service's RAM come over gRPC (shared buffers on the
+//! service side, one copy through the socket); blocks on disk only come back as file
+//! references that this side reads and verifies itself, in parallel, so the payload crosses
+//! no socket at all.
+
+use std::path::Path;
+use std::time::Duration;
+
+use strata_proto::kvcache::kv_cache_client::KvCacheClient;
+use strata_proto::kvcache::{Block, FetchRequest};
+use tonic::transport::Channel;
+
+use crate::block::{self, BlockKey};
+
+/// Files read at once by one fetch.
+const PARALLEL_FILE_READS: usize = 4;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("cache service: {0}")]
+    Rpc(#[from] tonic::Status),
+    #[error("block {index}: {why}")]
+    BadBlock { index: usize, why: String },
+}
+
+#[derive(Clone)]
+pub struct CacheClient {
+    rpc: KvCacheClient<Channel>,
+}
+
+impl CacheClient {
+    pub fn connect(socket: &Path, connect_timeout: Duration) -> Self {
+        let rpc = KvCacheClient::new(strata_runtime::uds::channel(socket, connect_timeout))
+            .max_decoding_message_size(crate::grpc::MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(crate::grpc::MAX_MESSAGE_BYTES);
+        Self { rpc }
+    }
+
+    /// The raw gRPC client, for the calls this wrapper does not cover.
+    pub fn rpc(&mut self) -> &mut KvCacheClient<Channel> {
+        &mut self.rpc
+    }
+
+    /// The leading blocks of `keys` that the service still holds and that verify, in order.
+    /// A block that is gone or fails verification ends the prefix (the caller computes the
+    /// rest): fewer blocks than keys is a partial hit, not an error.
+    pub async fn fetch_prefix(
+        &mut self,
+        namespace: &str,
+        keys: &[BlockKey],
+        deadline: Duration,
+    ) -> Result<Vec<Block>, ClientError> {
+        let mut req = tonic::Request::new(FetchRequest {
+            namespace: namespace.to_string(),
+            keys: keys.iter().map(|k| k.0.to_vec()).collect(),
+            file_reads: true,
+        });
+        req.set_timeout(deadline);
+        let mut stream = self.rpc.fetch(req).await?.into_inner();
+        let mut pending = std::collections::VecDeque::new();
+        let mut out = Vec::with_capacity(keys.len());
+        let mut index = 0;
+        let mut ended = false;
+        loop {
+            // Keep up to PARALLEL_FILE_READS reads going while more messages arrive.
+            while !ended && pending.len() < PARALLEL_FILE_READS {
+                let message = match stream.message().await {
+                    Ok(Some(m)) => m,
+                    Ok(None) => {
+                        ended = true;
+                        break;
+                    }
+                    // NotFound ends the held prefix; anything else is reported.
+                    Err(s) if s.code() == tonic::Code::NotFound => {
+                        ended = true;
+                        break;
+                    }
+                    Err(s) => return Err(s.into()),
+                };
+                let Some(&key) = keys.get(index) else {
+                    return Err(ClientError::BadBlock {
+                        index,
+                        why: "more blocks than keys".into(),
+                    });
+                };
+                index += 1;
+                let namespace = namespace.to_string();
+                pending.push_back(tokio::task::spawn_blocking(move || {
+                    resolve(message, &key, &namespace)
+                }));
+            }
+            let Some(next) = pending.pop_front() else {
+                break;
+            };
+            match next.await {
+                Ok(Ok(block)) => out.push(block),
+                Ok(Err(why)) => {
+                    tracing::warn!(why, "cache block unusable; computing from here");
+                    break;
+                }
+                Err(e) => {
+                    return Err(ClientError::BadBlock {
+                        index: out.len(),
+                        why: e.to_string(),
+                    });
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// A fetched message as a verified block: read from its file when the service sent a
+/// reference, and checked either way (key, namespace, checksum): the worker trusts nothing it
+/// did not verify.
+fn resolve(message: Block, key: &BlockKey, namespace: &str) -> Result<Block, String> {
+    let block = match &message.file {
+        Some(file) => block::read_file_verified(Path::new(&file.path), key)
+            .map_err(|e| format!("{}: {e}", file.path))?,
+        None => {
+            match block::verify(&message) {
+                Ok(k) if k == *key => {}
+                Ok(_) => return Err("the service sent another block".into()),
+                Err(e) => return Err(e.to_string()),
+            }
+            message
+        }
+    };
+    match block.header.as_ref() {
+        Some(h) if h.namespace == namespace => Ok(block),
+        _ => Err("block of another namespace".into()),
+    }
+}
