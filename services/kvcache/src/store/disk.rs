@@ -118,7 +118,7 @@ fn partial_of(block: &Block) -> Option<(BlockKey, Vec<u32>)> {
 
 /// What a disk read found.
 pub enum ReadOutcome {
-    Hit(Block),
+    Hit(Box<Block>),
     Miss,
     /// The file failed verification; it has been deleted.
     Corrupt(String),
@@ -542,7 +542,7 @@ impl DiskTier {
 /// meanwhile: a miss, not corruption.
 pub fn read_located(path: &Path, key: &BlockKey) -> ReadOutcome {
     match block::read_file_verified(path, key) {
-        Ok(b) => ReadOutcome::Hit(b),
+        Ok(b) => ReadOutcome::Hit(Box::new(b)),
         Err(block::FileReadError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => {
             ReadOutcome::Miss
         }
@@ -609,7 +609,7 @@ mod tests {
         let oldest = d.lru.keys().next().unwrap().1;
         assert_eq!(oldest, block(1, 4096).0);
         match d.read(&block(2, 4096).0).unwrap() {
-            ReadOutcome::Hit(b) => assert_eq!(b, block(2, 4096).1),
+            ReadOutcome::Hit(b) => assert_eq!(*b, block(2, 4096).1),
             _ => panic!("block 2 lost"),
         }
     }
@@ -675,7 +675,7 @@ mod tests {
         let mut d = DiskTier::open(dir.path(), 1 << 30).unwrap();
         assert!(path.exists());
         match d.read(&k).unwrap() {
-            ReadOutcome::Hit(got) => assert_eq!(got, b),
+            ReadOutcome::Hit(got) => assert_eq!(*got, b),
             _ => panic!("not adopted"),
         }
     }

@@ -251,7 +251,7 @@ impl Store {
     /// the file is read, so several fetches read in parallel.
     pub fn fetch(&self, namespace: &str, key: &BlockKey) -> Result<Option<Arc<Block>>, DiskError> {
         let c = &self.inner.counters;
-        if let Some(b) = self.from_ram(namespace, key) {
+        if let Some(b) = self.ram_answer(namespace, key) {
             return Ok(b);
         }
         let located = lock(&self.inner.disk).locate(key);
@@ -263,7 +263,7 @@ impl Store {
         match outcome {
             ReadOutcome::Hit(b) if in_namespace(&b, namespace) => {
                 c.disk_hits.fetch_add(1, Ordering::Relaxed);
-                let b = Arc::new(b);
+                let b = Arc::new(*b);
                 if let Some(ev) = lock(&self.inner.ram).insert(*key, b.clone(), true) {
                     c.ram_evictions.fetch_add(ev.blocks, Ordering::Relaxed);
                 }
@@ -299,7 +299,7 @@ impl Store {
             ram.contains(key).then(|| ram.is_persisted(key))
         };
         if in_ram == Some(false) {
-            return Ok(self.from_ram(namespace, key).flatten());
+            return Ok(self.ram_answer(namespace, key).flatten());
         }
         let mut disk = lock(&self.inner.disk);
         match disk.locate(key) {
@@ -323,7 +323,7 @@ impl Store {
             // Evicted from disk meanwhile, still in RAM: send the payload.
             _ if in_ram.is_some() => {
                 drop(disk);
-                Ok(self.from_ram(namespace, key).flatten())
+                Ok(self.ram_answer(namespace, key).flatten())
             }
             _ => {
                 c.misses.fetch_add(1, Ordering::Relaxed);
@@ -334,7 +334,7 @@ impl Store {
 
     /// Some(answer) when RAM decides: the block, or a miss because it belongs to another
     /// namespace. None: not in RAM.
-    fn from_ram(&self, namespace: &str, key: &BlockKey) -> Option<Option<Arc<Block>>> {
+    fn ram_answer(&self, namespace: &str, key: &BlockKey) -> Option<Option<Arc<Block>>> {
         let c = &self.inner.counters;
         let b = lock(&self.inner.ram).get(key)?;
         if in_namespace(&b, namespace) {
