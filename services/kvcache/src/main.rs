@@ -6,6 +6,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use strata_kvcache::grpc::{KvCacheService, MAX_MESSAGE_BYTES};
+use strata_kvcache::store::disk::Quotas;
 use strata_kvcache::store::{Store, StoreConfig};
 use strata_proto::kvcache::kv_cache_server::KvCacheServer;
 
@@ -40,6 +41,13 @@ enum Command {
         /// only until midnight, and Stats says so. Unlimited when absent.
         #[arg(long, value_parser = parse_bytes)]
         disk_write_budget: Option<u64>,
+        /// Disk quota of every namespace (model) not given its own with --quota.
+        #[arg(long, value_parser = parse_bytes)]
+        default_quota: Option<u64>,
+        /// Disk quota of one namespace, as NAMESPACE=BYTES (e.g. the model fingerprint=8GiB);
+        /// repeatable. Its own least recently used blocks make room under it.
+        #[arg(long = "quota", value_parser = parse_quota)]
+        quotas: Vec<(String, u64)>,
     },
     /// Read bandwidth of L1 and L2 against the disk's own (`dd`), and sled vs files for
     /// payloads. Writes about 3x --total into --dir. Not part of CI.
@@ -53,6 +61,16 @@ enum Command {
     },
 }
 
+fn parse_quota(s: &str) -> Result<(String, u64), String> {
+    let (ns, bytes) = s
+        .rsplit_once('=')
+        .ok_or_else(|| format!("{s:?}: expected NAMESPACE=BYTES"))?;
+    if ns.is_empty() {
+        return Err(format!("{s:?}: empty namespace"));
+    }
+    Ok((ns.to_string(), parse_bytes(bytes)?))
+}
+
 fn parse_bytes(s: &str) -> Result<u64, String> {
     parse_size::parse_size(s).map_err(|e| format!("{s:?}: {e} (e.g. 512MiB, 8GiB)"))
 }
@@ -64,6 +82,7 @@ const FLUSH_BOUND: Duration = Duration::from_secs(10);
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    strata_runtime::memory::return_large_buffers();
     let cli = Cli::parse();
     strata_runtime::logging::init("strata-kvcache");
     match cli.command {
@@ -81,12 +100,18 @@ async fn main() -> anyhow::Result<()> {
             ram,
             disk,
             disk_write_budget,
+            default_quota,
+            quotas,
         } => {
             let (store, writer) = Store::open(StoreConfig {
                 dir: dir.clone(),
                 ram_bytes: ram,
                 disk_bytes: disk,
                 disk_write_budget,
+                quotas: Quotas {
+                    default: default_quota,
+                    per_namespace: quotas.into_iter().collect(),
+                },
             })
             .with_context(|| format!("open the store in {}", dir.display()))?;
             let incoming = strata_runtime::uds::bind(&socket).await?;

@@ -8,8 +8,11 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use strata_kvcache::block::{BlockKey, make_block, make_block_of};
+use strata_kvcache::client::CacheClient;
 use strata_proto::kvcache::kv_cache_client::KvCacheClient;
-use strata_proto::kvcache::{Block, FetchRequest, LookupRequest, StatsRequest, Tier};
+use strata_proto::kvcache::{
+    Block, FetchRequest, LookupRequest, StatsRequest, StatsResponse, Tier,
+};
 use tonic::transport::Channel;
 
 const NS: &str = "model-fingerprint-for-tests";
@@ -42,6 +45,14 @@ struct Service {
     socket: PathBuf,
 }
 
+/// A test that fails must not leave its service running.
+impl Drop for Service {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 impl Service {
     fn start(dir: &Path) -> Self {
         Self::start_with(dir, &[])
@@ -50,7 +61,17 @@ impl Service {
     fn start_with(dir: &Path, extra: &[&str]) -> Self {
         let socket = dir.join("kv.sock");
         let mut child = Command::new(env!("CARGO_BIN_EXE_strata-kvcache"))
-            .args(["serve", "--ram", "8MiB", "--disk", "64MiB"])
+            .arg("serve")
+            .args(if extra.contains(&"--ram") {
+                &[][..]
+            } else {
+                &["--ram", "8MiB"]
+            })
+            .args(if extra.contains(&"--disk") {
+                &[][..]
+            } else {
+                &["--disk", "64MiB"]
+            })
             .args(extra)
             .arg("--socket")
             .arg(&socket)
@@ -117,8 +138,16 @@ async fn fetch(
     client: &mut KvCacheClient<Channel>,
     blocks: &[Block],
 ) -> Vec<Result<Block, tonic::Status>> {
+    fetch_in(client, NS, blocks).await
+}
+
+async fn fetch_in(
+    client: &mut KvCacheClient<Channel>,
+    namespace: &str,
+    blocks: &[Block],
+) -> Vec<Result<Block, tonic::Status>> {
     let req = FetchRequest {
-        namespace: NS.into(),
+        namespace: namespace.into(),
         keys: blocks.iter().map(key).collect(),
         file_reads: false,
     };
@@ -452,5 +481,323 @@ async fn partial_tail_blocks_are_found_by_prefix_under_their_parent_even_after_r
     assert_eq!(Tier::try_from(r.partial.unwrap().tier).unwrap(), Tier::Disk);
     let got = fetch(&mut c, std::slice::from_ref(&partial5)).await;
     assert_eq!(got[0].as_ref().unwrap(), &partial5);
+    svc.stop();
+}
+
+/// Blocks of namespace `ns`: `n` chained blocks, token ids and payload bytes varied by `seed`.
+fn chain_in(ns: &str, n: usize, seed: u32) -> Vec<Block> {
+    let mut parent: Option<BlockKey> = None;
+    (0..n)
+        .map(|i| {
+            let tokens: Vec<u32> = (0..TOKENS_PER_BLOCK)
+                .map(|t| seed + i as u32 * 1000 + t)
+                .collect();
+            let bytes = 2 * LAYOUT.0 * LAYOUT.1 * LAYOUT.2 * 4 * TOKENS_PER_BLOCK;
+            let payload: Vec<u8> = (0..bytes).map(|b| (b ^ seed) as u8).collect();
+            let block = make_block(ns, parent.as_ref(), tokens, LAYOUT, payload);
+            parent = BlockKey::from_slice(&block.header.as_ref().unwrap().key);
+            block
+        })
+        .collect()
+}
+
+async fn wait_for_writer(
+    c: &mut KvCacheClient<Channel>,
+    settled: impl Fn(&StatsResponse) -> bool,
+) -> StatsResponse {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let s = c.stats(StatsRequest {}).await.unwrap().into_inner();
+        if settled(&s) {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "writer did not settle: {s:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn namespace_quotas_evict_within_their_namespace_and_stats_are_per_namespace() {
+    let dir = tempfile::tempdir().unwrap();
+    // Test blocks are about 32 KiB on disk: "small" may hold three, "big" has no quota.
+    let svc = Service::start_with(dir.path(), &["--quota", "small=100KiB"]);
+    let mut c = svc.client();
+    let big = chain_in("big", 6, 1);
+    let small = chain_in("small", 6, 2);
+    assert_eq!(store(&mut c, big.clone()).await, 6);
+    assert_eq!(store(&mut c, small.clone()).await, 6);
+    let stats = wait_for_writer(&mut c, |s| {
+        s.namespaces
+            .iter()
+            .find(|n| n.namespace == "small")
+            .is_some_and(|n| n.disk.as_ref().unwrap().evictions == 3)
+            && s.disk.as_ref().unwrap().blocks == 9
+    })
+    .await;
+    let ns = |name: &str| {
+        stats
+            .namespaces
+            .iter()
+            .find(|n| n.namespace == name)
+            .cloned()
+            .unwrap()
+    };
+    let (small_ns, big_ns) = (ns("small"), ns("big"));
+    assert_eq!(small_ns.disk_quota_bytes, 100 * 1024);
+    assert!(
+        small_ns.disk.as_ref().unwrap().bytes <= 100 * 1024,
+        "{small_ns:?}"
+    );
+    assert_eq!(small_ns.disk.as_ref().unwrap().blocks, 3);
+    // The other namespace lost nothing to the small one's quota.
+    assert_eq!(big_ns.disk.as_ref().unwrap().blocks, 6);
+    assert_eq!(big_ns.disk.as_ref().unwrap().evictions, 0);
+    assert_eq!(big_ns.disk_quota_bytes, 0);
+    // Hits and misses are counted per namespace too.
+    let got = fetch_in(&mut c, "big", &big[..2]).await;
+    assert!(got.iter().all(|b| b.is_ok()));
+    let req = FetchRequest {
+        namespace: "small".into(),
+        keys: vec![key(&big[0])],
+        file_reads: false,
+    };
+    let mut s = c.fetch(req).await.unwrap().into_inner();
+    assert_eq!(s.message().await.unwrap_err().code(), tonic::Code::NotFound);
+    let stats = c.stats(StatsRequest {}).await.unwrap().into_inner();
+    let hits = |name: &str| {
+        let n = stats
+            .namespaces
+            .iter()
+            .find(|n| n.namespace == name)
+            .unwrap();
+        (
+            n.ram.as_ref().unwrap().hits + n.disk.as_ref().unwrap().hits,
+            n.misses,
+        )
+    };
+    assert_eq!(hits("big"), (2, 0));
+    assert_eq!(hits("small"), (0, 1));
+    svc.stop();
+}
+
+#[tokio::test]
+async fn the_worker_client_reads_disk_blocks_from_their_files_and_verifies_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let blocks = chain(6);
+    {
+        let svc = Service::start(dir.path());
+        let mut c = svc.client();
+        assert_eq!(store(&mut c, blocks.clone()).await, 6);
+        svc.stop();
+    }
+    let svc = Service::start(dir.path());
+    let keys: Vec<BlockKey> = blocks
+        .iter()
+        .map(|b| BlockKey::from_slice(&key(b)).unwrap())
+        .collect();
+    let mut client = CacheClient::connect(&svc.socket, Duration::from_secs(2));
+    let got = client
+        .fetch_prefix(NS, &keys, Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert_eq!(got.len(), 6);
+    for (g, b) in got.iter().zip(&blocks) {
+        assert_eq!(g.header, b.header);
+        assert_eq!(g.payload, b.payload);
+        assert!(g.file.is_none());
+    }
+    let stats = svc
+        .client()
+        .stats(StatsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(stats.disk.unwrap().hits, 6, "file reads count as disk hits");
+    assert_eq!(
+        stats.ram.unwrap().blocks,
+        0,
+        "and are not promoted to the service's RAM"
+    );
+
+    // A block file altered on disk ends the prefix there: nothing wrong is ever returned.
+    let hex = keys[3].hex();
+    let path = dir
+        .path()
+        .join("store/blocks")
+        .join(&hex[..2])
+        .join(format!("{hex}.blk"));
+    let mut bytes = std::fs::read(&path).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x40;
+    std::fs::write(&path, bytes).unwrap();
+    let got = client
+        .fetch_prefix(NS, &keys, Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert_eq!(got.len(), 3);
+    // Another namespace's client gets nothing, though it could read the files.
+    let got = client
+        .fetch_prefix("someone-else", &keys, Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert!(got.is_empty());
+    svc.stop();
+}
+
+/// A tmpfs of `mib` MiB mounted at `dir`, unmounted on drop. None where mounting is not
+/// allowed (not root, or no CAP_SYS_ADMIN in a container).
+struct SmallDisk(PathBuf);
+
+impl SmallDisk {
+    fn mount(dir: &Path, mib: u32) -> Option<Self> {
+        std::fs::create_dir_all(dir).ok()?;
+        let ok = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={mib}m"), "tmpfs"])
+            .arg(dir)
+            .status()
+            .is_ok_and(|s| s.success());
+        ok.then(|| Self(dir.to_owned()))
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+#[tokio::test]
+async fn a_full_disk_degrades_to_ram_only_and_recovers_when_space_returns() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(_disk) = SmallDisk::mount(&dir.path().join("store"), 4) else {
+        // Loud, not silent: this test needs a small file system of its own to fill.
+        eprintln!("SKIPPED: cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN)");
+        return;
+    };
+    // --disk (64 MiB) is far above the 4 MiB the file system really has.
+    let svc = Service::start(dir.path());
+    let mut c = svc.client();
+    // Fill the file system behind the service's back, leaving about 100 KiB.
+    let filler = dir.path().join("store/filler");
+    let free = free_bytes(&dir.path().join("store"));
+    std::fs::write(&filler, vec![0u8; (free - 100 * 1024) as usize]).unwrap();
+
+    let blocks = chain(8);
+    assert_eq!(
+        store(&mut c, blocks.clone()).await,
+        8,
+        "accepted into RAM regardless"
+    );
+    let stats = wait_for_writer(&mut c, |s| {
+        !s.disk_degraded.is_empty() && s.disk.as_ref().unwrap().blocks + s.disk_write_failures >= 8
+    })
+    .await;
+    assert!(
+        stats.disk_degraded.contains("No space left"),
+        "{:?}",
+        stats.disk_degraded
+    );
+    // Every block is still served, from RAM, intact.
+    let got = fetch(&mut c, &blocks).await;
+    assert_eq!(got.len(), 8);
+    for (g, b) in got.iter().zip(&blocks) {
+        assert_eq!(g.as_ref().unwrap().payload, b.payload);
+    }
+    // No half-written file is left behind.
+    let tmp_files = walk(&dir.path().join("store/blocks"))
+        .into_iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "tmp"))
+        .count();
+    assert_eq!(tmp_files, 0);
+
+    // Space returns: the next blocks are written again and the state clears.
+    std::fs::remove_file(&filler).unwrap();
+    let more = chain_in(NS, 2, 77);
+    assert_eq!(store(&mut c, more.clone()).await, 2);
+    let stats = wait_for_writer(&mut c, |s| s.disk_degraded.is_empty()).await;
+    assert!(stats.disk.unwrap().blocks >= 2);
+    svc.stop();
+}
+
+fn free_bytes(path: &Path) -> u64 {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: statvfs(3) fills the struct we own.
+    let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut s) }, 0);
+    s.f_bavail as u64 * s.f_frsize as u64
+}
+
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
+fn peak_rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: u64 = status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    kb * 1024
+}
+
+#[tokio::test]
+async fn peak_rss_stays_under_ram_plus_64_mib_under_concurrent_load() {
+    const RAM: u64 = 32 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let mut svc = Service::start_with(dir.path(), &["--ram", "32MiB", "--disk", "512MiB"]);
+    // 8 clients, each storing and reading back 48 blocks of 1 MiB: 384 MiB through a
+    // service allowed 32 MiB of RAM tier.
+    let layout = (8, 8, 64, "float32"); // 2*8*8*64*4 = 32 KiB per token, 32 tokens a block
+    let mut tasks = Vec::new();
+    for client_no in 0..8u32 {
+        let mut c = svc.client();
+        tasks.push(tokio::spawn(async move {
+            let ns = format!("load-{client_no}");
+            let mut parent: Option<BlockKey> = None;
+            let blocks: Vec<Block> = (0..48u32)
+                .map(|i| {
+                    let tokens: Vec<u32> = (0..32).map(|t| i * 100 + t).collect();
+                    let payload = vec![(i + client_no) as u8; 1 << 20];
+                    let b = make_block(&ns, parent.as_ref(), tokens, layout, payload);
+                    parent = BlockKey::from_slice(&key(&b));
+                    b
+                })
+                .collect();
+            for chunk in blocks.chunks(8) {
+                store(&mut c, chunk.to_vec()).await;
+            }
+            let mut served = 0;
+            for chunk in blocks.chunks(8) {
+                for b in fetch_in(&mut c, &ns, chunk).await.into_iter().flatten() {
+                    served += b.payload.len();
+                }
+            }
+            served
+        }));
+    }
+    let mut served = 0;
+    for t in tasks {
+        served += t.await.unwrap();
+    }
+    assert!(served > 0, "nothing was served back");
+    let peak = peak_rss_bytes(svc.child.id());
+    eprintln!("peak RSS {} MiB with --ram 32MiB", peak >> 20);
+    assert!(
+        peak < RAM + (64 << 20),
+        "peak RSS {} MiB exceeds --ram + 64 MiB",
+        peak >> 20
+    );
+    assert!(svc.child.try_wait().unwrap().is_none());
     svc.stop();
 }

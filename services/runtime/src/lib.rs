@@ -2,5 +2,6 @@
 //! they learn that they must stop, and how they talk gRPC to each other over Unix sockets.
 
 pub mod logging;
+pub mod memory;
 pub mod shutdown;
 pub mod uds;

@@ -49,11 +49,16 @@ pub const CONNECTION_WINDOW_BYTES: u32 = 64 << 20;
 /// The largest frame HTTP/2 allows (default 16 KiB): fewer frames, fewer syscalls per block.
 pub const MAX_FRAME_BYTES: u32 = (1 << 24) - 1;
 
-/// A gRPC server with the same windows as `channel`.
+/// What a server lets each client send ahead before it reads it: small, since every
+/// connection's unread data is memory the server holds (clients receive with large windows).
+pub const SERVER_STREAM_WINDOW_BYTES: u32 = 2 << 20;
+pub const SERVER_CONNECTION_WINDOW_BYTES: u32 = 4 << 20;
+
+/// A gRPC server with large frames and bounded receive windows.
 pub fn server() -> tonic::transport::Server {
     tonic::transport::Server::builder()
-        .initial_stream_window_size(STREAM_WINDOW_BYTES)
-        .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
+        .initial_stream_window_size(SERVER_STREAM_WINDOW_BYTES)
+        .initial_connection_window_size(SERVER_CONNECTION_WINDOW_BYTES)
         .max_frame_size(MAX_FRAME_BYTES)
 }
 

@@ -1,6 +1,9 @@
 //! The cache service's gRPC server (`strata.kvcache.v1.KvCache`), served on a Unix socket.
 
+use std::sync::Arc;
 use std::time::Instant;
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use strata_proto::kvcache::kv_cache_server::KvCache;
 use strata_proto::kvcache::{
@@ -20,9 +23,16 @@ pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
 /// Blocks read ahead of the one being sent in a Fetch.
 const FETCH_AHEAD: usize = 4;
 
+/// Payload bytes the service may hold outside the RAM tier at once (blocks read from disk
+/// on their way out, blocks received on their way in), across all requests: with the sled
+/// cache and the runtime, this keeps peak RSS under `--ram` + 64 MiB whatever the load.
+pub const TRANSIENT_BYTES: u64 = 24 << 20;
+const PERMIT_UNIT: u64 = 1024;
+
 pub struct KvCacheService {
     store: Store,
     started: Instant,
+    transient: Arc<Semaphore>,
 }
 
 impl KvCacheService {
@@ -30,8 +40,29 @@ impl KvCacheService {
         Self {
             store,
             started: Instant::now(),
+            transient: Arc::new(Semaphore::new((TRANSIENT_BYTES / PERMIT_UNIT) as usize)),
         }
     }
+}
+
+fn units(bytes: u64) -> u32 {
+    bytes
+        .div_ceil(PERMIT_UNIT)
+        .clamp(1, TRANSIENT_BYTES / PERMIT_UNIT) as u32
+}
+
+fn try_reserve(budget: &Arc<Semaphore>, bytes: u64) -> Option<OwnedSemaphorePermit> {
+    budget.clone().try_acquire_many_owned(units(bytes)).ok()
+}
+
+/// Waits until `bytes` more may be held (a block larger than the whole budget waits for all
+/// of it, so it is alone).
+async fn reserve(budget: &Arc<Semaphore>, bytes: u64) -> Result<OwnedSemaphorePermit, Status> {
+    budget
+        .clone()
+        .acquire_many_owned(units(bytes))
+        .await
+        .map_err(|_| Status::unavailable("shutting down"))
 }
 
 fn keys(raw: &[Vec<u8>]) -> Result<Vec<BlockKey>, Status> {
@@ -113,18 +144,40 @@ impl KvCache for KvCacheService {
         if req.namespace.is_empty() {
             return Err(Status::invalid_argument("namespace is empty"));
         }
-        let (tx, rx) = tokio::sync::mpsc::channel(FETCH_AHEAD);
+        // One block waits in the channel; the budget covers the ones being read.
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
         let store = self.store.clone();
+        let budget = self.transient.clone();
         let namespace: std::sync::Arc<str> = req.namespace.into();
         let file_reads = req.file_reads;
         tokio::spawn(async move {
             // Up to FETCH_AHEAD blocks are read at once (disk reads run in parallel and overlap
             // with sending); they are sent in request order.
             let mut pending = std::collections::VecDeque::new();
-            let mut keys = keys.into_iter();
+            let mut keys = keys.into_iter().peekable();
             loop {
                 while pending.len() < FETCH_AHEAD {
-                    let Some(key) = keys.next() else { break };
+                    let Some(&key) = keys.peek() else { break };
+                    let sizing = store.clone();
+                    let size = tokio::task::spawn_blocking(move || sizing.payload_size(&key))
+                        .await
+                        .ok()
+                        .flatten()
+                        .unwrap_or(0);
+                    // Wait for budget only with nothing in hand; otherwise send what is read
+                    // first (waiting while holding permits could starve every stream).
+                    let permit = if pending.is_empty() {
+                        match reserve(&budget, size).await {
+                            Ok(p) => p,
+                            Err(_) => return,
+                        }
+                    } else {
+                        match try_reserve(&budget, size) {
+                            Some(p) => p,
+                            None => break,
+                        }
+                    };
+                    keys.next();
                     let (store, namespace) = (store.clone(), namespace.clone());
                     pending.push_back(tokio::task::spawn_blocking(move || {
                         let found = if file_reads {
@@ -132,22 +185,33 @@ impl KvCache for KvCacheService {
                         } else {
                             store.fetch(&namespace, &key)
                         };
-                        match found {
+                        let item = match found {
                             Ok(Some(b)) => Ok((*b).clone()),
                             Ok(None) => {
                                 Err(Status::not_found(format!("block {} not held", key.hex())))
                             }
                             Err(e) => Err(internal(e)),
-                        }
+                        };
+                        (item, permit)
                     }));
                 }
                 let Some(next) = pending.pop_front() else {
                     break;
                 };
-                let item = next.await.unwrap_or_else(|e| Err(internal(e)));
+                let (item, permit) = match next.await {
+                    Ok(done) => done,
+                    Err(e) => {
+                        let _ = tx.send(Err(internal(e))).await;
+                        break;
+                    }
+                };
                 let stop = item.is_err();
                 // The client went away (dropped the stream): stop reading blocks for it.
-                if tx.send(item).await.is_err() || stop {
+                let gone = tx.send(item).await.is_err();
+                // In the channel now; the encoder takes it next. The budget is released here,
+                // so each stream holds at most two blocks beyond it.
+                drop(permit);
+                if gone || stop {
                     break;
                 }
             }
@@ -162,6 +226,8 @@ impl KvCache for KvCacheService {
         let mut stream = req.into_inner();
         let mut response = StoreResponse::default();
         while let Some(block) = stream.message().await? {
+            // The received message plus the copy the RAM tier keeps, while it is made.
+            let _permit = reserve(&self.transient, block.payload.len() as u64).await?;
             let store = self.store.clone();
             let result = tokio::task::spawn_blocking(move || store.store(block))
                 .await

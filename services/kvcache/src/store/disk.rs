@@ -8,10 +8,11 @@
 //! the index names it; at open, temporary files and files the index does not name are removed,
 //! and entries whose file is missing are dropped. Every read re-verifies header and checksum.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use prost::bytes::Bytes;
@@ -38,6 +39,28 @@ pub enum DiskError {
     TooLarge { size: u64, limit: u64 },
     #[error("today's SSD write budget of {budget} bytes is spent")]
     BudgetSpent { budget: u64 },
+    #[error("block larger than the disk quota of namespace {namespace} ({quota} bytes)")]
+    OverQuota { namespace: String, quota: u64 },
+}
+
+/// Disk bytes a namespace may hold: one model's cache cannot push out every other's.
+#[derive(Debug, Clone, Default)]
+pub struct Quotas {
+    /// For namespaces not named in `per_namespace`; None = only the disk limit applies.
+    pub default: Option<u64>,
+    pub per_namespace: HashMap<String, u64>,
+}
+
+impl Quotas {
+    pub fn of(&self, namespace: &str) -> Option<u64> {
+        self.per_namespace.get(namespace).copied().or(self.default)
+    }
+}
+
+struct Tracked {
+    size: u64,
+    last_access: u64,
+    namespace: Arc<str>,
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> DiskError + '_ {
@@ -131,7 +154,11 @@ pub struct DiskTier {
     block_bytes: u64,
     /// (last access, key), oldest first.
     lru: BTreeMap<(u64, BlockKey), ()>,
-    sizes: std::collections::HashMap<BlockKey, (u64, u64)>,
+    tracked: HashMap<BlockKey, Tracked>,
+    /// (blocks, bytes) per namespace.
+    usage: HashMap<Arc<str>, (u64, u64)>,
+    evictions_by_namespace: HashMap<Arc<str>, u64>,
+    quotas: Quotas,
     clock: u64,
     sled_bytes: u64,
     sled_measured: Instant,
@@ -186,7 +213,10 @@ impl DiskTier {
             limit_bytes,
             block_bytes: 0,
             lru: BTreeMap::new(),
-            sizes: std::collections::HashMap::new(),
+            tracked: HashMap::new(),
+            usage: HashMap::new(),
+            evictions_by_namespace: HashMap::new(),
+            quotas: Quotas::default(),
             clock: 0,
             sled_bytes: 0,
             sled_measured: Instant::now(),
@@ -221,7 +251,7 @@ impl DiskTier {
                         self.partials_at_open.push((key, parent, tokens));
                     }
                     self.clock = self.clock.max(entry.last_access + 1);
-                    self.track(key, entry.size, entry.last_access);
+                    self.track(key, entry.size, entry.last_access, &entry.namespace);
                 }
                 _ => {
                     self.index.remove(k)?;
@@ -284,24 +314,77 @@ impl DiskTier {
             partial,
         };
         self.index.insert(key.0, entry.encode())?;
-        self.track(key, entry.size, entry.last_access);
+        self.track(key, entry.size, entry.last_access, &entry.namespace);
         Ok(true)
     }
 
-    fn track(&mut self, key: BlockKey, size: u64, last_access: u64) {
-        if let Some((old_size, old_access)) = self.sizes.insert(key, (size, last_access)) {
-            self.lru.remove(&(old_access, key));
-            self.block_bytes -= old_size;
-        }
+    fn track(&mut self, key: BlockKey, size: u64, last_access: u64, namespace: &str) {
+        self.untrack(&key);
+        let namespace: Arc<str> = match self.usage.get_key_value(namespace) {
+            Some((ns, _)) => ns.clone(),
+            None => namespace.into(),
+        };
+        let u = self.usage.entry(namespace.clone()).or_default();
+        u.0 += 1;
+        u.1 += size;
+        self.tracked.insert(
+            key,
+            Tracked {
+                size,
+                last_access,
+                namespace,
+            },
+        );
         self.lru.insert((last_access, key), ());
         self.block_bytes += size;
     }
 
     fn untrack(&mut self, key: &BlockKey) {
-        if let Some((size, access)) = self.sizes.remove(key) {
-            self.lru.remove(&(access, *key));
-            self.block_bytes -= size;
+        if let Some(t) = self.tracked.remove(key) {
+            self.lru.remove(&(t.last_access, *key));
+            self.block_bytes -= t.size;
+            if let Some(u) = self.usage.get_mut(&t.namespace) {
+                u.0 -= 1;
+                u.1 -= t.size;
+                if u.0 == 0 {
+                    self.usage.remove(&t.namespace);
+                }
+            }
         }
+    }
+
+    /// Evicts `victim` to make room, counted per namespace.
+    fn evict(&mut self, victim: &BlockKey) -> Result<(), DiskError> {
+        if let Some(t) = self.tracked.get(victim) {
+            *self
+                .evictions_by_namespace
+                .entry(t.namespace.clone())
+                .or_default() += 1;
+        }
+        self.remove(victim)?;
+        self.evictions += 1;
+        Ok(())
+    }
+
+    pub fn set_quotas(&mut self, quotas: Quotas) {
+        self.quotas = quotas;
+    }
+
+    /// Per namespace: (blocks, bytes, evictions, quota).
+    pub fn by_namespace(&self) -> HashMap<String, (u64, u64, u64, Option<u64>)> {
+        let mut out: HashMap<String, (u64, u64, u64, Option<u64>)> = HashMap::new();
+        for (ns, &(blocks, bytes)) in &self.usage {
+            let e = out.entry(ns.to_string()).or_default();
+            e.0 = blocks;
+            e.1 = bytes;
+        }
+        for (ns, &n) in &self.evictions_by_namespace {
+            out.entry(ns.to_string()).or_default().2 = n;
+        }
+        for (ns, e) in out.iter_mut() {
+            e.3 = self.quotas.of(ns);
+        }
+        out
     }
 
     fn path_of(&self, key: &BlockKey) -> PathBuf {
@@ -343,15 +426,15 @@ impl DiskTier {
     }
 
     pub fn len(&self) -> usize {
-        self.sizes.len()
+        self.tracked.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.sizes.is_empty()
+        self.tracked.is_empty()
     }
 
     pub fn contains(&self, key: &BlockKey) -> bool {
-        self.sizes.contains_key(key)
+        self.tracked.contains_key(key)
     }
 
     pub fn block_bytes(&self) -> u64 {
@@ -379,12 +462,31 @@ impl DiskTier {
                 limit: self.limit_bytes,
             });
         }
+        let namespace = block
+            .header
+            .as_ref()
+            .map(|h| h.namespace.clone())
+            .unwrap_or_default();
+        if let Some(quota) = self.quotas.of(&namespace) {
+            if size > quota {
+                return Err(DiskError::OverQuota { namespace, quota });
+            }
+            // The namespace's own least recently used blocks make room under its quota.
+            while self.usage.get(namespace.as_str()).map_or(0, |u| u.1) + size > quota {
+                let victim = self.lru.keys().map(|(_, k)| *k).find(|k| {
+                    self.tracked
+                        .get(k)
+                        .is_some_and(|t| *t.namespace == *namespace)
+                });
+                let Some(victim) = victim else { break };
+                self.evict(&victim)?;
+            }
+        }
         while self.block_bytes + fixed + size > self.limit_bytes {
             let Some((&(_, victim), _)) = self.lru.iter().next() else {
                 break;
             };
-            self.remove(&victim)?;
-            self.evictions += 1;
+            self.evict(&victim)?;
         }
         let path = self.path_of(&key);
         if let Some(parent) = path.parent() {
@@ -403,11 +505,6 @@ impl DiskTier {
         }
         fs::rename(&tmp, &path).map_err(io(&path))?;
         self.clock += 1;
-        let namespace = block
-            .header
-            .as_ref()
-            .map(|h| h.namespace.clone())
-            .unwrap_or_default();
         let entry = IndexEntry {
             size,
             last_access: self.clock,
@@ -415,7 +512,7 @@ impl DiskTier {
             partial: partial_of(block),
         };
         self.index.insert(key.0, entry.encode())?;
-        self.track(key, size, self.clock);
+        self.track(key, size, self.clock, &entry.namespace);
         self.bytes_written += size;
         let day = (self.today)();
         self.written_today = (day, self.written_today() + size);
@@ -447,8 +544,8 @@ impl DiskTier {
     /// tier: files are renamed into place complete and never modified; one deleted meanwhile
     /// fails to open, which is a miss.
     pub fn locate(&self, key: &BlockKey) -> Option<(PathBuf, u64)> {
-        let &(size, _) = self.sizes.get(key)?;
-        Some((self.path_of(key), size))
+        let t = self.tracked.get(key)?;
+        Some((self.path_of(key), t.size))
     }
 
     /// Reads and re-verifies a block; a bad file is deleted and reported.
@@ -493,9 +590,10 @@ impl DiskTier {
 
     /// Records a use, persistently, so that LRU order survives restarts.
     pub fn touch(&mut self, key: &BlockKey) -> Result<(), DiskError> {
-        let Some(&(size, _)) = self.sizes.get(key) else {
+        let Some(t) = self.tracked.get(key) else {
             return Ok(());
         };
+        let (size, namespace) = (t.size, t.namespace.clone());
         self.clock += 1;
         let clock = self.clock;
         if let Some(v) = self.index.get(key.0)?
@@ -504,7 +602,7 @@ impl DiskTier {
             entry.last_access = clock;
             self.index.insert(key.0, entry.encode())?;
         }
-        self.track(*key, size, clock);
+        self.track(*key, size, clock, &namespace);
         Ok(())
     }
 

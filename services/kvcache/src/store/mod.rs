@@ -10,7 +10,7 @@ use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use strata_proto::kvcache::{Block, BlockFile, StatsResponse, Tier, TierStats};
+use strata_proto::kvcache::{Block, BlockFile, NamespaceStats, StatsResponse, Tier, TierStats};
 
 use crate::block::{self, BlockKey};
 use disk::{DiskError, DiskTier, ReadOutcome};
@@ -18,6 +18,9 @@ use ram::RamTier;
 
 /// Blocks waiting for the disk writer. When it is full, new blocks stay in RAM only.
 const WRITE_QUEUE_BLOCKS: usize = 256;
+/// Payload bytes waiting for the disk writer. A queued block that the RAM tier evicts meanwhile
+/// is held only by the queue, outside `--ram`: this bounds that memory.
+pub const WRITE_QUEUE_BYTES: u64 = 16 << 20;
 
 #[derive(Debug, Clone)]
 pub struct StoreConfig {
@@ -26,6 +29,7 @@ pub struct StoreConfig {
     pub disk_bytes: u64,
     /// Bytes a day the disk tier may write; None = unlimited.
     pub disk_write_budget: Option<u64>,
+    pub quotas: disk::Quotas,
 }
 
 #[derive(Default)]
@@ -53,12 +57,48 @@ pub struct PartialMatch {
     pub tokens: usize,
 }
 
+#[derive(Clone, Copy)]
+enum Counted {
+    RamHit,
+    DiskHit,
+    Miss,
+}
+
+const MAX_COUNTED_NAMESPACES: usize = 1024;
+
+/// Hits and misses of one namespace: (RAM hits, disk hits, misses).
+type NamespaceCounters = std::collections::HashMap<String, (u64, u64, u64)>;
+
 struct Inner {
+    /// Payload bytes in the writer's queue.
+    queued_bytes: AtomicU64,
+    /// Why the disk tier is not taking writes, if it is not.
+    degraded: Mutex<Option<String>>,
     partials: Mutex<PartialIndex>,
+    by_namespace: Mutex<NamespaceCounters>,
     ram: Mutex<RamTier>,
     disk: Mutex<DiskTier>,
     counters: Counters,
     config: StoreConfig,
+}
+
+impl Inner {
+    /// Records the outcome of a disk write; logs only the changes (a full disk would otherwise
+    /// log once per block).
+    fn set_degraded(&self, error: Option<&DiskError>) {
+        let mut degraded = lock(&self.degraded);
+        match (error, degraded.is_some()) {
+            (Some(e), false) => {
+                tracing::warn!(error = %e, "disk tier degraded: new blocks stay in RAM only");
+                *degraded = Some(e.to_string());
+            }
+            (None, true) => {
+                tracing::info!("disk tier writes again");
+                *degraded = None;
+            }
+            _ => {}
+        }
+    }
 }
 
 enum WriteJob {
@@ -96,12 +136,16 @@ impl Store {
     pub fn open(config: StoreConfig) -> Result<(Self, Writer), DiskError> {
         let mut disk =
             DiskTier::open_with_budget(&config.dir, config.disk_bytes, config.disk_write_budget)?;
+        disk.set_quotas(config.quotas.clone());
         let mut partials = PartialIndex::new();
         for (key, parent, tokens) in disk.take_partials() {
             partials.entry(parent).or_default().push((key, tokens));
         }
         let inner = Arc::new(Inner {
+            degraded: Mutex::new(None),
+            queued_bytes: AtomicU64::new(0),
             partials: Mutex::new(partials),
+            by_namespace: Mutex::new(NamespaceCounters::new()),
             ram: Mutex::new(RamTier::new(config.ram_bytes)),
             disk: Mutex::new(disk),
             counters: Counters::default(),
@@ -117,7 +161,19 @@ impl Store {
                     let WriteJob::Persist(key, block) = job else {
                         break;
                     };
+                    let queued = block.payload.len() as u64;
                     let result = lock(&writer_inner.disk).write(key, &block);
+                    drop(block);
+                    writer_inner
+                        .queued_bytes
+                        .fetch_sub(queued, Ordering::Relaxed);
+                    // Budget, size and quota refusals are policy, not a degraded disk.
+                    if matches!(
+                        result,
+                        Ok(()) | Err(DiskError::Io { .. } | DiskError::Index(_))
+                    ) {
+                        writer_inner.set_degraded(result.as_ref().err());
+                    }
                     match result {
                         Ok(()) => lock(&writer_inner.ram).mark_persisted(&key),
                         Err(DiskError::BudgetSpent { .. }) => {
@@ -127,12 +183,11 @@ impl Store {
                                 .budget_skips
                                 .fetch_add(1, Ordering::Relaxed);
                         }
-                        Err(e) => {
+                        Err(_) => {
                             writer_inner
                                 .counters
                                 .write_failures
                                 .fetch_add(1, Ordering::Relaxed);
-                            tracing::warn!(error = %e, "block kept in RAM only");
                         }
                     }
                 }
@@ -188,14 +243,25 @@ impl Store {
                 return Err("block larger than the RAM tier".into());
             }
         }
-        match self.writer.try_send(WriteJob::Persist(key, block)) {
+        let size = block.payload.len() as u64;
+        let queued = &self.inner.queued_bytes;
+        let room = queued.fetch_add(size, Ordering::Relaxed) + size <= WRITE_QUEUE_BYTES.max(size);
+        let sent = if room {
+            self.writer.try_send(WriteJob::Persist(key, block))
+        } else {
+            Err(TrySendError::Full(WriteJob::Persist(key, block)))
+        };
+        if sent.is_err() {
+            queued.fetch_sub(size, Ordering::Relaxed);
+        }
+        match sent {
             Ok(()) => {}
             Err(TrySendError::Full(_)) => {
                 self.inner
                     .counters
                     .write_failures
                     .fetch_add(1, Ordering::Relaxed);
-                tracing::warn!("disk writer behind: block kept in RAM only");
+                tracing::debug!("disk writer behind: block kept in RAM only");
             }
             Err(TrySendError::Disconnected(_)) => {}
         }
@@ -210,6 +276,14 @@ impl Store {
         } else {
             None
         }
+    }
+
+    /// The payload size of a held block, without reading it.
+    pub fn payload_size(&self, key: &BlockKey) -> Option<u64> {
+        if let Some(b) = lock(&self.inner.ram).peek(key) {
+            return Some(b.payload.len() as u64);
+        }
+        lock(&self.inner.disk).locate(key).map(|(_, size)| size)
     }
 
     /// The longest held prefix of `keys`, with each block's tier.
@@ -262,7 +336,7 @@ impl Store {
         let outcome = lock(&self.inner.disk).settle(key, outcome)?;
         match outcome {
             ReadOutcome::Hit(b) if in_namespace(&b, namespace) => {
-                c.disk_hits.fetch_add(1, Ordering::Relaxed);
+                self.count(namespace, Counted::DiskHit);
                 let b = Arc::new(*b);
                 if let Some(ev) = lock(&self.inner.ram).insert(*key, b.clone(), true) {
                     c.ram_evictions.fetch_add(ev.blocks, Ordering::Relaxed);
@@ -271,12 +345,12 @@ impl Store {
             }
             ReadOutcome::Corrupt(why) => {
                 c.corrupt.fetch_add(1, Ordering::Relaxed);
-                c.misses.fetch_add(1, Ordering::Relaxed);
+                self.count(namespace, Counted::Miss);
                 tracing::warn!(key = ?key, why, "corrupt block dropped");
                 Ok(None)
             }
             _ => {
-                c.misses.fetch_add(1, Ordering::Relaxed);
+                self.count(namespace, Counted::Miss);
                 Ok(None)
             }
         }
@@ -293,7 +367,6 @@ impl Store {
         namespace: &str,
         key: &BlockKey,
     ) -> Result<Option<Arc<Block>>, DiskError> {
-        let c = &self.inner.counters;
         let in_ram = {
             let ram = lock(&self.inner.ram);
             ram.contains(key).then(|| ram.is_persisted(key))
@@ -307,9 +380,9 @@ impl Store {
                 disk.touch(key)?;
                 if in_ram.is_some() {
                     lock(&self.inner.ram).get(key);
-                    c.ram_hits.fetch_add(1, Ordering::Relaxed);
+                    self.count(namespace, Counted::RamHit);
                 } else {
-                    c.disk_hits.fetch_add(1, Ordering::Relaxed);
+                    self.count(namespace, Counted::DiskHit);
                 }
                 Ok(Some(Arc::new(Block {
                     header: None,
@@ -326,22 +399,42 @@ impl Store {
                 Ok(self.ram_answer(namespace, key).flatten())
             }
             _ => {
-                c.misses.fetch_add(1, Ordering::Relaxed);
+                self.count(namespace, Counted::Miss);
                 Ok(None)
             }
+        }
+    }
+
+    fn count(&self, namespace: &str, what: Counted) {
+        let c = &self.inner.counters;
+        match what {
+            Counted::RamHit => &c.ram_hits,
+            Counted::DiskHit => &c.disk_hits,
+            Counted::Miss => &c.misses,
+        }
+        .fetch_add(1, Ordering::Relaxed);
+        let mut by_ns = lock(&self.inner.by_namespace);
+        // Namespaces come from requests: past this many, only the totals count.
+        if by_ns.len() >= MAX_COUNTED_NAMESPACES && !by_ns.contains_key(namespace) {
+            return;
+        }
+        let e = by_ns.entry(namespace.to_string()).or_default();
+        match what {
+            Counted::RamHit => e.0 += 1,
+            Counted::DiskHit => e.1 += 1,
+            Counted::Miss => e.2 += 1,
         }
     }
 
     /// Some(answer) when RAM decides: the block, or a miss because it belongs to another
     /// namespace. None: not in RAM.
     fn ram_answer(&self, namespace: &str, key: &BlockKey) -> Option<Option<Arc<Block>>> {
-        let c = &self.inner.counters;
         let b = lock(&self.inner.ram).get(key)?;
         if in_namespace(&b, namespace) {
-            c.ram_hits.fetch_add(1, Ordering::Relaxed);
+            self.count(namespace, Counted::RamHit);
             Some(Some(b))
         } else {
-            c.misses.fetch_add(1, Ordering::Relaxed);
+            self.count(namespace, Counted::Miss);
             Some(None)
         }
     }
@@ -355,9 +448,9 @@ impl Store {
     pub fn stats(&self) -> StatsResponse {
         let c = &self.inner.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let (ram_blocks, ram_bytes) = {
+        let (ram_blocks, ram_bytes, ram_by_ns) = {
             let r = lock(&self.inner.ram);
-            (r.len() as u64, r.used_bytes())
+            (r.len() as u64, r.used_bytes(), r.by_namespace())
         };
         let mut d = lock(&self.inner.disk);
         StatsResponse {
@@ -387,7 +480,52 @@ impl Store {
                 .map(|b| b.saturating_sub(d.written_today()))
                 .unwrap_or(u64::MAX),
             blocks_ram_only_budget_spent: get(&c.budget_skips),
+            namespaces: self.namespace_stats(&ram_by_ns, &d),
+            disk_degraded: lock(&self.inner.degraded).clone().unwrap_or_default(),
         }
+    }
+}
+
+impl Store {
+    fn namespace_stats(
+        &self,
+        ram: &std::collections::HashMap<String, (u64, u64, u64)>,
+        disk: &DiskTier,
+    ) -> Vec<NamespaceStats> {
+        let disk = disk.by_namespace();
+        let counters = lock(&self.inner.by_namespace).clone();
+        let mut names: Vec<&String> = ram
+            .keys()
+            .chain(disk.keys())
+            .chain(counters.keys())
+            .collect();
+        names.sort();
+        names.dedup();
+        names
+            .into_iter()
+            .map(|ns| {
+                let r = ram.get(ns).copied().unwrap_or_default();
+                let d = disk.get(ns).cloned().unwrap_or_default();
+                let h = counters.get(ns).copied().unwrap_or_default();
+                NamespaceStats {
+                    namespace: ns.clone(),
+                    ram: Some(TierStats {
+                        blocks: r.0,
+                        bytes: r.1,
+                        hits: h.0,
+                        evictions: r.2,
+                    }),
+                    disk: Some(TierStats {
+                        blocks: d.0,
+                        bytes: d.1,
+                        hits: h.1,
+                        evictions: d.2,
+                    }),
+                    misses: h.2,
+                    disk_quota_bytes: d.3.unwrap_or(0),
+                }
+            })
+            .collect()
     }
 }
 

@@ -22,6 +22,8 @@ pub struct RamTier {
     entries: HashMap<BlockKey, Entry>,
     /// tick -> key, oldest first.
     order: BTreeMap<u64, BlockKey>,
+    /// Evictions per namespace, for Stats.
+    evictions_by_namespace: HashMap<String, u64>,
 }
 
 /// What `insert` had to push out to make room.
@@ -44,6 +46,7 @@ impl RamTier {
             tick: 0,
             entries: HashMap::new(),
             order: BTreeMap::new(),
+            evictions_by_namespace: HashMap::new(),
         }
     }
 
@@ -74,6 +77,11 @@ impl RamTier {
         Some(e.block.clone())
     }
 
+    /// The block, without marking a use.
+    pub fn peek(&self, key: &BlockKey) -> Option<&Arc<Block>> {
+        self.entries.get(key).map(|e| &e.block)
+    }
+
     /// Whether the block is held and already written to disk (without marking a use).
     pub fn is_persisted(&self, key: &BlockKey) -> bool {
         self.entries.get(key).is_some_and(|e| e.persisted)
@@ -98,6 +106,12 @@ impl RamTier {
             let Some(victim) = victim else { break };
             if let Some(e) = self.remove(&victim) {
                 evicted.blocks += 1;
+                if let Some(h) = e.block.header.as_ref() {
+                    *self
+                        .evictions_by_namespace
+                        .entry(h.namespace.clone())
+                        .or_default() += 1;
+                }
                 if !e.persisted {
                     evicted.unpersisted += 1;
                 }
@@ -129,6 +143,22 @@ impl RamTier {
         self.order.remove(&e.tick);
         self.used_bytes -= e.bytes;
         Some(e)
+    }
+
+    /// (blocks, bytes, evictions) per namespace.
+    pub fn by_namespace(&self) -> HashMap<String, (u64, u64, u64)> {
+        let mut out: HashMap<String, (u64, u64, u64)> = HashMap::new();
+        for e in self.entries.values() {
+            if let Some(h) = e.block.header.as_ref() {
+                let u = out.entry(h.namespace.clone()).or_default();
+                u.0 += 1;
+                u.1 += e.bytes;
+            }
+        }
+        for (ns, n) in &self.evictions_by_namespace {
+            out.entry(ns.clone()).or_default().2 = *n;
+        }
+        out
     }
 
     /// Drops every block of `namespace` (all when empty); returns how many.
