@@ -82,7 +82,6 @@ const FLUSH_BOUND: Duration = Duration::from_secs(10);
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    strata_runtime::memory::return_large_buffers();
     let cli = Cli::parse();
     strata_runtime::logging::init("strata-kvcache");
     match cli.command {
@@ -103,6 +102,9 @@ async fn main() -> anyhow::Result<()> {
             default_quota,
             quotas,
         } => {
+            // The service's RSS must stay under --ram + 64 MiB (the bench's own client side
+            // keeps glibc's defaults, as a worker would).
+            strata_runtime::memory::return_large_buffers();
             let (store, writer) = Store::open(StoreConfig {
                 dir: dir.clone(),
                 ram_bytes: ram,

@@ -801,3 +801,34 @@ async fn peak_rss_stays_under_ram_plus_64_mib_under_concurrent_load() {
     assert!(svc.child.try_wait().unwrap().is_none());
     svc.stop();
 }
+
+#[tokio::test]
+async fn blocks_the_writer_could_not_take_at_once_reach_the_disk_when_it_catches_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let svc = Service::start_with(dir.path(), &["--ram", "256MiB", "--disk", "512MiB"]);
+    let mut c = svc.client();
+    // 96 blocks of 1 MiB in one stream: far more than the writer's 16 MiB queue holds.
+    let layout = (8, 8, 64, "float32");
+    let mut parent: Option<BlockKey> = None;
+    let blocks: Vec<Block> = (0..96u32)
+        .map(|i| {
+            let tokens: Vec<u32> = (0..32).map(|t| i * 100 + t).collect();
+            let b = make_block(NS, parent.as_ref(), tokens, layout, vec![i as u8; 1 << 20]);
+            parent = BlockKey::from_slice(&key(&b));
+            b
+        })
+        .collect();
+    assert_eq!(store(&mut c, blocks.clone()).await, 96);
+    let stats = wait_for_writer(&mut c, |s| s.disk.as_ref().unwrap().blocks == 96).await;
+    eprintln!(
+        "deferred by a full queue: {}, evicted unwritten: {}",
+        stats.writes_deferred, stats.evicted_unwritten
+    );
+    assert_eq!(stats.evicted_unwritten, 0);
+    svc.stop();
+    // All of them come back from disk alone.
+    let svc = Service::start_with(dir.path(), &["--ram", "256MiB", "--disk", "512MiB"]);
+    let mut c = svc.client();
+    assert_eq!(lookup(&mut c, &blocks).await, vec![Tier::Disk; 96]);
+    svc.stop();
+}

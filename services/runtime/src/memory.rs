@@ -12,8 +12,6 @@ pub fn return_large_buffers() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only changes allocator tuning, under glibc's own locks.
     unsafe {
-        if std::env::var_os("STRATA_MALLOC_DEFAULT").is_none() {
-            libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024);
-        }
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024);
     }
 }

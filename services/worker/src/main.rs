@@ -133,7 +133,6 @@ impl ModelArgs {
 fn main() -> anyhow::Result<()> {
     // Must run before anything else: OpenBLAS reads its settings when libmlx loads.
     let reexec = blas_env::reexec_with_blas_env();
-    strata_runtime::memory::return_large_buffers();
     let cli = Cli::parse();
     strata_runtime::logging::init("strata-worker");
     if let Err(e) = reexec {

@@ -6,7 +6,7 @@ pub mod ram;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync_channel};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -21,6 +21,10 @@ const WRITE_QUEUE_BLOCKS: usize = 256;
 /// Payload bytes waiting for the disk writer. A queued block that the RAM tier evicts meanwhile
 /// is held only by the queue, outside `--ram`: this bounds that memory.
 pub const WRITE_QUEUE_BYTES: u64 = 16 << 20;
+/// After this long without new blocks, the writer writes the RAM blocks it had to pass over
+/// (queue full, disk failing), CATCH_UP_BLOCKS at a time.
+const CATCH_UP_AFTER: Duration = Duration::from_millis(100);
+const CATCH_UP_BLOCKS: usize = 8;
 
 #[derive(Debug, Clone)]
 pub struct StoreConfig {
@@ -41,6 +45,10 @@ struct Counters {
     corrupt: AtomicU64,
     refused: AtomicU64,
     write_failures: AtomicU64,
+    /// Blocks evicted from RAM before they were written.
+    evicted_unwritten: AtomicU64,
+    /// Blocks the writer could not take on arrival (written later, when it catches up).
+    writes_deferred: AtomicU64,
     /// Blocks not persisted because today's write budget was spent.
     budget_skips: AtomicU64,
 }
@@ -83,6 +91,49 @@ struct Inner {
 }
 
 impl Inner {
+    /// Writes one block to disk and records the outcome. Returns false when the disk failed
+    /// (full, I/O error), so that a catch-up pass stops there.
+    fn persist(&self, key: BlockKey, block: &Block) -> bool {
+        let result = lock(&self.disk).write(key, block);
+        // Budget, size and quota refusals are policy, not a degraded disk.
+        let disk_failed = matches!(result, Err(DiskError::Io { .. } | DiskError::Index(_)));
+        if result.is_ok() || disk_failed {
+            self.set_degraded(result.as_ref().err());
+        }
+        let mut ram = lock(&self.ram);
+        match result {
+            Ok(()) => ram.mark_persisted(&key),
+            Err(DiskError::BudgetSpent { .. }) => {
+                // Expected once the budget is spent: counted, no log line per block.
+                ram.mark_skipped(&key);
+                self.counters.budget_skips.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(_) if disk_failed => {
+                // Tried again by a later catch-up pass, once the disk takes writes.
+                ram.set_queued(&key, false);
+                self.counters.write_failures.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(_) => {
+                ram.mark_skipped(&key);
+                self.counters.write_failures.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        !disk_failed
+    }
+
+    /// Writes up to `max` RAM blocks that never reached the disk. Returns how many it wrote.
+    fn catch_up(&self, max: usize) -> usize {
+        let todo = lock(&self.ram).unwritten(max);
+        let mut written = 0;
+        for (key, block) in todo {
+            if !self.persist(key, &block) {
+                break;
+            }
+            written += 1;
+        }
+        written
+    }
+
     /// Records the outcome of a disk write; logs only the changes (a full disk would otherwise
     /// log once per block).
     fn set_degraded(&self, error: Option<&DiskError>) {
@@ -157,37 +208,25 @@ impl Store {
         let thread = std::thread::Builder::new()
             .name("kv-disk-writer".into())
             .spawn(move || {
-                for job in rx {
-                    let WriteJob::Persist(key, block) = job else {
-                        break;
-                    };
-                    let queued = block.payload.len() as u64;
-                    let result = lock(&writer_inner.disk).write(key, &block);
-                    drop(block);
-                    writer_inner
-                        .queued_bytes
-                        .fetch_sub(queued, Ordering::Relaxed);
-                    // Budget, size and quota refusals are policy, not a degraded disk.
-                    if matches!(
-                        result,
-                        Ok(()) | Err(DiskError::Io { .. } | DiskError::Index(_))
-                    ) {
-                        writer_inner.set_degraded(result.as_ref().err());
-                    }
-                    match result {
-                        Ok(()) => lock(&writer_inner.ram).mark_persisted(&key),
-                        Err(DiskError::BudgetSpent { .. }) => {
-                            // Expected once the budget is spent: counted, no log line per block.
+                loop {
+                    match rx.recv_timeout(CATCH_UP_AFTER) {
+                        Ok(WriteJob::Persist(key, block)) => {
+                            let queued = block.payload.len() as u64;
+                            writer_inner.persist(key, &block);
+                            drop(block);
                             writer_inner
-                                .counters
-                                .budget_skips
-                                .fetch_add(1, Ordering::Relaxed);
+                                .queued_bytes
+                                .fetch_sub(queued, Ordering::Relaxed);
                         }
-                        Err(_) => {
-                            writer_inner
-                                .counters
-                                .write_failures
-                                .fetch_add(1, Ordering::Relaxed);
+                        // Idle: write what arrived while the queue was full.
+                        Err(RecvTimeoutError::Timeout) => {
+                            writer_inner.catch_up(CATCH_UP_BLOCKS);
+                        }
+                        // Stopping: everything still unwritten goes to disk now (the caller
+                        // bounds how long it waits).
+                        Ok(WriteJob::Stop) | Err(RecvTimeoutError::Disconnected) => {
+                            while writer_inner.catch_up(CATCH_UP_BLOCKS) > 0 {}
+                            break;
                         }
                     }
                 }
@@ -233,10 +272,10 @@ impl Store {
         let evicted = lock(&self.inner.ram).insert(key, block.clone(), false);
         match evicted {
             Some(ev) => {
-                self.inner
-                    .counters
-                    .ram_evictions
-                    .fetch_add(ev.blocks, Ordering::Relaxed);
+                let c = &self.inner.counters;
+                c.ram_evictions.fetch_add(ev.blocks, Ordering::Relaxed);
+                c.evicted_unwritten
+                    .fetch_add(ev.unpersisted, Ordering::Relaxed);
             }
             None => {
                 self.inner.counters.refused.fetch_add(1, Ordering::Relaxed);
@@ -247,23 +286,22 @@ impl Store {
         let queued = &self.inner.queued_bytes;
         let room = queued.fetch_add(size, Ordering::Relaxed) + size <= WRITE_QUEUE_BYTES.max(size);
         let sent = if room {
+            lock(&self.inner.ram).set_queued(&key, true);
             self.writer.try_send(WriteJob::Persist(key, block))
         } else {
             Err(TrySendError::Full(WriteJob::Persist(key, block)))
         };
         if sent.is_err() {
             queued.fetch_sub(size, Ordering::Relaxed);
+            lock(&self.inner.ram).set_queued(&key, false);
         }
-        match sent {
-            Ok(()) => {}
-            Err(TrySendError::Full(_)) => {
-                self.inner
-                    .counters
-                    .write_failures
-                    .fetch_add(1, Ordering::Relaxed);
-                tracing::debug!("disk writer behind: block kept in RAM only");
-            }
-            Err(TrySendError::Disconnected(_)) => {}
+        if let Err(TrySendError::Full(_)) = sent {
+            // The writer is behind: the block waits in RAM for its catch-up pass (or is lost
+            // to RAM eviction first, which `Evicted::unpersisted` counts).
+            self.inner
+                .counters
+                .writes_deferred
+                .fetch_add(1, Ordering::Relaxed);
         }
         Ok(())
     }
@@ -340,6 +378,8 @@ impl Store {
                 let b = Arc::new(*b);
                 if let Some(ev) = lock(&self.inner.ram).insert(*key, b.clone(), true) {
                     c.ram_evictions.fetch_add(ev.blocks, Ordering::Relaxed);
+                    c.evicted_unwritten
+                        .fetch_add(ev.unpersisted, Ordering::Relaxed);
                 }
                 Ok(Some(b))
             }
@@ -482,6 +522,8 @@ impl Store {
             blocks_ram_only_budget_spent: get(&c.budget_skips),
             namespaces: self.namespace_stats(&ram_by_ns, &d),
             disk_degraded: lock(&self.inner.degraded).clone().unwrap_or_default(),
+            writes_deferred: get(&c.writes_deferred),
+            evicted_unwritten: get(&c.evicted_unwritten),
         }
     }
 }

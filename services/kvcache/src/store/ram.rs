@@ -13,6 +13,10 @@ struct Entry {
     tick: u64,
     /// Already on disk: evicting it loses nothing.
     persisted: bool,
+    /// In the disk writer's queue now.
+    queued: bool,
+    /// The disk tier refused it by policy (budget, quota, size): not tried again.
+    skipped: bool,
 }
 
 pub struct RamTier {
@@ -127,14 +131,43 @@ impl RamTier {
                 bytes,
                 tick: self.tick,
                 persisted,
+                queued: false,
+                skipped: false,
             },
         );
         Some(evicted)
     }
 
+    pub fn set_queued(&mut self, key: &BlockKey, queued: bool) {
+        if let Some(e) = self.entries.get_mut(key) {
+            e.queued = queued;
+        }
+    }
+
+    pub fn mark_skipped(&mut self, key: &BlockKey) {
+        if let Some(e) = self.entries.get_mut(key) {
+            e.skipped = true;
+            e.queued = false;
+        }
+    }
+
+    /// Up to `max` blocks still to be written (not on disk, not queued, not refused), oldest
+    /// first: those the writer could not take when they arrived.
+    pub fn unwritten(&self, max: usize) -> Vec<(BlockKey, Arc<Block>)> {
+        self.order
+            .values()
+            .filter_map(|k| {
+                let e = self.entries.get(k)?;
+                (!e.persisted && !e.queued && !e.skipped).then(|| (*k, e.block.clone()))
+            })
+            .take(max)
+            .collect()
+    }
+
     pub fn mark_persisted(&mut self, key: &BlockKey) {
         if let Some(e) = self.entries.get_mut(key) {
             e.persisted = true;
+            e.queued = false;
         }
     }
 
