@@ -1,5 +1,7 @@
 //! `strata`: the gateway. It never loads a model and never holds KV data; it supervises the
 //! cache service and the workers and serves the HTTP APIs.
 
+pub mod config;
 pub mod http;
 pub mod supervisor;
+pub mod workers;

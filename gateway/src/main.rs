@@ -6,8 +6,15 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use strata_gateway::config::{Config, ModelConfig, ModelKind};
+use strata_gateway::http::admin::AdminState;
 use strata_gateway::http::{self, AppState};
-use strata_gateway::supervisor::{self, Backoff, ChildKind, ChildSpec};
+use strata_gateway::supervisor::{self, Backoff, ChildKind, ChildSpec, ChildState, Phase};
+use strata_gateway::workers::{ModelEntry, Registry};
 use tokio::sync::watch;
 
 #[derive(Parser)]
@@ -23,19 +30,65 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Start the cache service and a worker for the model, then serve HTTP.
+    /// Start the cache service (unless one already answers) and one worker per model, then
+    /// serve HTTP until SIGTERM or Ctrl-C.
     Up(UpArgs),
+    /// The gateway's health and its children, from a running `strata up`.
+    Status(ClientArgs),
+    /// Worker processes: state, pid, model, restarts, last exit reason.
+    Workers(ClientArgs),
+    /// Restart one worker (by worker name or model id).
+    Restart {
+        worker: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// The cache service's statistics, or clear a model's blocks.
+    Cache {
+        #[command(subcommand)]
+        action: CacheAction,
+    },
+}
+
+#[derive(Subcommand)]
+enum CacheAction {
+    Stats(ClientArgs),
+    /// Drop the blocks of one model (or of all models without --model).
+    Clear {
+        #[arg(long)]
+        model: Option<String>,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+}
+
+#[derive(clap::Args)]
+struct ClientArgs {
+    /// The gateway's address.
+    #[arg(long, default_value = "http://127.0.0.1:8080", env = "STRATA_URL")]
+    url: String,
+    /// Admin token [default: the run dir's admin-token file].
+    #[arg(long, env = "STRATA_ADMIN_TOKEN")]
+    admin_token: Option<String>,
+    #[arg(long, env = "STRATA_RUN_DIR")]
+    run_dir: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
 struct UpArgs {
-    /// Address to serve HTTP on.
-    #[arg(long, default_value = "127.0.0.1:8080", env = "STRATA_BIND")]
-    bind: SocketAddr,
-    /// GGUF file or safetensors folder to serve [default: the SmolLM2-135M-Instruct that
-    /// scripts/setup fetched into $STRATA_CACHE/models].
+    /// strata.toml with models, cache and keys (see the README); flags below override it.
+    #[arg(long, env = "STRATA_CONFIG")]
+    config: Option<PathBuf>,
+    /// Address to serve HTTP on [default: 127.0.0.1:8080].
+    #[arg(long, env = "STRATA_BIND")]
+    bind: Option<SocketAddr>,
+    /// GGUF file or safetensors folder to serve when the config names no models [default:
+    /// the SmolLM2-135M-Instruct that scripts/setup fetched into $STRATA_CACHE/models].
     #[arg(long, env = "STRATA_MODEL")]
     model: Option<PathBuf>,
+    /// The id clients use for --model [default: its file name].
+    #[arg(long, env = "STRATA_MODEL_ID")]
+    model_id: Option<String>,
     /// Folder for the processes' Unix sockets [default: $XDG_RUNTIME_DIR/strata or /tmp/strata-$UID].
     #[arg(long, env = "STRATA_RUN_DIR")]
     run_dir: Option<PathBuf>,
@@ -43,12 +96,15 @@ struct UpArgs {
     /// $STRATA_CACHE/kv, i.e. ~/.cache/strata/kv].
     #[arg(long, env = "STRATA_KV_DIR")]
     kv_dir: Option<PathBuf>,
-    /// RAM tier size of the cache service.
-    #[arg(long, default_value = "1GiB", env = "STRATA_KV_RAM")]
-    kv_ram: String,
-    /// Disk tier size limit of the cache service.
-    #[arg(long, default_value = "20GiB", env = "STRATA_KV_DISK")]
-    kv_disk: String,
+    /// RAM tier size of the cache service [default: 1GiB].
+    #[arg(long, env = "STRATA_KV_RAM")]
+    kv_ram: Option<String>,
+    /// Disk tier size limit of the cache service [default: 20GiB].
+    #[arg(long, env = "STRATA_KV_DISK")]
+    kv_disk: Option<String>,
+    /// An API key /v1 accepts (repeatable); /v1 is open when none is configured.
+    #[arg(long = "api-key", env = "STRATA_API_KEY")]
+    api_keys: Vec<String>,
     /// Folder holding strata-worker and strata-kvcache [default: next to this binary].
     #[arg(long, env = "STRATA_BIN_DIR")]
     bin_dir: Option<PathBuf>,
@@ -60,8 +116,85 @@ fn main() -> anyhow::Result<()> {
     let runtime = tokio::runtime::Runtime::new().context("start the tokio runtime")?;
     match cli.command {
         Command::Up(args) => runtime.block_on(up(args)),
+        Command::Status(c) => runtime.block_on(client_get(&c, "/health", false)),
+        Command::Workers(c) => runtime.block_on(client_get(&c, "/admin/api/workers", true)),
+        Command::Restart { worker, client } => runtime.block_on(client_post(
+            &client,
+            &format!("/admin/api/workers/{worker}/restart"),
+            serde_json::json!({}),
+        )),
+        Command::Cache { action } => match action {
+            CacheAction::Stats(c) => {
+                runtime.block_on(client_get(&c, "/admin/api/cache/stats", true))
+            }
+            CacheAction::Clear { model, client } => runtime.block_on(client_post(
+                &client,
+                "/admin/api/cache/clear",
+                serde_json::json!({"model": model}),
+            )),
+        },
     }
 }
+
+fn admin_token(c: &ClientArgs) -> anyhow::Result<String> {
+    if let Some(t) = &c.admin_token {
+        return Ok(t.clone());
+    }
+    let path = c
+        .run_dir
+        .clone()
+        .unwrap_or_else(default_run_dir)
+        .join(ADMIN_TOKEN_FILE);
+    std::fs::read_to_string(&path)
+        .map(|t| t.trim().to_string())
+        .with_context(|| {
+            format!(
+                "read the admin token from {} (or pass --admin-token)",
+                path.display()
+            )
+        })
+}
+
+async fn client_get(c: &ClientArgs, path: &str, admin: bool) -> anyhow::Result<()> {
+    let mut req = reqwest::Client::new().get(format!("{}{path}", c.url.trim_end_matches('/')));
+    if admin {
+        req = req.bearer_auth(admin_token(c)?);
+    }
+    print_response(
+        req.send()
+            .await
+            .with_context(|| format!("reach the gateway at {}", c.url))?,
+    )
+    .await
+}
+
+async fn client_post(c: &ClientArgs, path: &str, body: serde_json::Value) -> anyhow::Result<()> {
+    let req = reqwest::Client::new()
+        .post(format!("{}{path}", c.url.trim_end_matches('/')))
+        .bearer_auth(admin_token(c)?)
+        .json(&body);
+    print_response(
+        req.send()
+            .await
+            .with_context(|| format!("reach the gateway at {}", c.url))?,
+    )
+    .await
+}
+
+async fn print_response(r: reqwest::Response) -> anyhow::Result<()> {
+    let status = r.status();
+    let body: serde_json::Value = r.json().await.context("the gateway's answer is not JSON")?;
+    println!("{}", serde_json::to_string_pretty(&body)?);
+    anyhow::ensure!(
+        status.is_success() || status == reqwest::StatusCode::SERVICE_UNAVAILABLE,
+        "HTTP {status}"
+    );
+    Ok(())
+}
+
+const ADMIN_TOKEN_FILE: &str = "admin-token";
+/// The id of the model `strata up` serves when given none.
+const DEFAULT_MODEL_ID: &str = "smollm2-135m-instruct";
 
 fn cache_dir() -> PathBuf {
     std::env::var_os("STRATA_CACHE")
@@ -98,88 +231,189 @@ fn sibling_binary(bin_dir: &Path, name: &str) -> anyhow::Result<PathBuf> {
 }
 
 async fn up(args: UpArgs) -> anyhow::Result<()> {
-    let model = args.model.unwrap_or_else(default_model);
-    anyhow::ensure!(
-        model.exists(),
-        "model {} not found; run scripts/setup or pass --model",
-        model.display()
-    );
-    let run_dir = args.run_dir.unwrap_or_else(default_run_dir);
+    let mut config = match &args.config {
+        Some(path) => Config::load(path)?,
+        None => Config::default(),
+    };
+    if let Some(bind) = args.bind {
+        config.bind = bind;
+    }
+    config.api_keys.extend(args.api_keys.iter().cloned());
+    if config.models.is_empty() || args.model.is_some() {
+        let path = args.model.clone().unwrap_or_else(default_model);
+        anyhow::ensure!(
+            path.exists(),
+            "model {} not found; run scripts/setup or pass --model",
+            path.display()
+        );
+        let id = args.model_id.clone().unwrap_or_else(|| {
+            if args.model.is_none() {
+                return DEFAULT_MODEL_ID.to_string();
+            }
+            path.file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "model".into())
+        });
+        config.models = vec![ModelConfig {
+            id,
+            path,
+            kind: ModelKind::Llm,
+            aliases: Vec::new(),
+            pinned: true,
+        }];
+    }
+    config.validate()?;
+    let run_dir = args
+        .run_dir
+        .clone()
+        .or(config.run_dir.clone())
+        .unwrap_or_else(default_run_dir);
     std::fs::create_dir_all(&run_dir)
         .with_context(|| format!("create run dir {}", run_dir.display()))?;
-    let bin_dir = match args.bin_dir {
+    let bin_dir = match args.bin_dir.clone() {
         Some(dir) => dir,
         None => std::env::current_exe()?
             .parent()
             .map(Path::to_path_buf)
             .context("locate the binary's folder")?,
     };
+    let admin_token = write_admin_token(&run_dir, config.admin_token.clone())?;
 
-    let kvcache_socket = run_dir.join("kvcache.sock");
+    let kvcache_socket = config
+        .cache
+        .socket
+        .clone()
+        .unwrap_or_else(|| run_dir.join("kvcache.sock"));
     let kv_dir = args
         .kv_dir
         .clone()
+        .or(config.cache.dir.clone())
         .unwrap_or_else(|| cache_dir().join("kv"));
-    let worker_socket = run_dir.join("worker-0.sock");
-    let specs = vec![
-        ChildSpec {
-            name: "kvcache".into(),
-            kind: ChildKind::KvCache,
-            program: sibling_binary(&bin_dir, "strata-kvcache")?,
-            args: vec![
-                "serve".into(),
-                "--socket".into(),
-                kvcache_socket.display().to_string(),
-                "--dir".into(),
-                kv_dir.display().to_string(),
-                "--ram".into(),
-                args.kv_ram.clone(),
-                "--disk".into(),
-                args.kv_disk.clone(),
-            ],
-            socket: kvcache_socket,
-        },
-        ChildSpec {
-            name: "worker-0".into(),
+    let kv_ram = args
+        .kv_ram
+        .clone()
+        .or(config.cache.ram.clone())
+        .unwrap_or_else(|| "1GiB".into());
+    let kv_disk = args
+        .kv_disk
+        .clone()
+        .or(config.cache.disk.clone())
+        .unwrap_or_else(|| "20GiB".into());
+    let kvcache_spec = ChildSpec {
+        name: "kvcache".into(),
+        kind: ChildKind::KvCache,
+        program: sibling_binary(&bin_dir, "strata-kvcache")?,
+        args: vec![
+            "serve".into(),
+            "--socket".into(),
+            kvcache_socket.display().to_string(),
+            "--dir".into(),
+            kv_dir.display().to_string(),
+            "--ram".into(),
+            kv_ram,
+            "--disk".into(),
+            kv_disk,
+        ],
+        socket: kvcache_socket.clone(),
+    };
+    let mut specs = Vec::new();
+    // launchd or systemd may run the cache service: use it when it answers.
+    match supervisor::probe(&kvcache_spec).await {
+        Ok(detail) => {
+            tracing::info!(socket = %kvcache_socket.display(), %detail, "using the cache service already running")
+        }
+        Err(_) => specs.push(kvcache_spec),
+    }
+    let worker_program = sibling_binary(&bin_dir, "strata-worker")?;
+    let mut model_children = Vec::new();
+    for (i, m) in config.models.iter().enumerate() {
+        anyhow::ensure!(
+            m.kind == ModelKind::Llm,
+            "model {}: kind {:?} is not served yet (only llm)",
+            m.id,
+            m.kind
+        );
+        let socket = run_dir.join(format!("worker-{i}.sock"));
+        let name = format!("worker-{}", m.id);
+        specs.push(ChildSpec {
+            name: name.clone(),
             kind: ChildKind::Worker,
-            program: sibling_binary(&bin_dir, "strata-worker")?,
+            program: worker_program.clone(),
             args: vec![
                 "serve".into(),
                 "--socket".into(),
-                worker_socket.display().to_string(),
+                socket.display().to_string(),
                 "--model".into(),
-                model.display().to_string(),
+                m.path.display().to_string(),
+                "--model-id".into(),
+                m.id.clone(),
             ],
-            socket: worker_socket,
-        },
-    ];
+            socket,
+        });
+        model_children.push((name, m.clone()));
+    }
 
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let mut children = Vec::new();
     let mut tasks = Vec::new();
+    let mut controls = HashMap::new();
+    let mut states = HashMap::new();
     for spec in specs {
-        let (state, task) = supervisor::supervise(spec, Backoff::default(), shutdown_rx.clone());
-        children.push(state);
-        tasks.push(task);
+        let name = spec.name.clone();
+        let supervised = supervisor::supervise(spec, Backoff::default(), shutdown_rx.clone());
+        children.push(supervised.state.clone());
+        states.insert(name.clone(), supervised.state);
+        controls.insert(name, supervised.control);
+        tasks.push(supervised.task);
     }
-
-    let listener = tokio::net::TcpListener::bind(args.bind)
-        .await
-        .with_context(|| format!("bind {}", args.bind))?;
-    tracing::info!(
-        "listening on http://{} (health: http://{}/health)",
-        args.bind,
-        args.bind
+    let registry = Registry::new(
+        model_children
+            .into_iter()
+            .filter_map(|(name, m)| {
+                let state = states.get(&name)?.clone();
+                let socket = run_dir.join(format!(
+                    "worker-{}.sock",
+                    config.models.iter().position(|c| c.id == m.id)?
+                ));
+                Some(ModelEntry::new(
+                    m.id, m.aliases, m.kind, m.pinned, m.path, socket, state,
+                ))
+            })
+            .collect(),
     );
-    let app = http::router(AppState { children });
+
+    let listener = tokio::net::TcpListener::bind(config.bind)
+        .await
+        .with_context(|| format!("bind {}", config.bind))?;
+    tracing::info!(
+        "listening on http://{} (OpenAI and Anthropic APIs under /v1; health: /health)",
+        config.bind
+    );
+    let app = http::router(AppState {
+        children: children.clone(),
+        registry,
+        api_keys: Arc::new(config.api_keys.clone()),
+        admin: AdminState {
+            token: Arc::new(admin_token),
+            controls: Arc::new(controls),
+            kvcache_socket,
+        },
+        request_timeout: Duration::from_secs(config.request_timeout_secs),
+        max_body_bytes: config.max_body_bytes,
+        started_unix: strata_gateway::http::generation::unix_now(),
+    });
     let mut http_shutdown = shutdown_rx.clone();
     let server = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = http_shutdown.changed().await;
-            })
-            .await
+        axum::serve(
+            listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .with_graceful_shutdown(async move {
+            let _ = http_shutdown.changed().await;
+        })
+        .await
     });
+    tokio::spawn(report_progress(children));
 
     let signal = strata_runtime::shutdown::signal_received().await;
     tracing::info!(signal, "shutting down");
@@ -187,7 +421,65 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
     for task in tasks {
         let _ = task.await;
     }
-    server.await.context("HTTP task")?.context("HTTP server")?;
+    // Open streams would hold the HTTP server forever: give them a moment, then go.
+    match tokio::time::timeout(Duration::from_secs(5), server).await {
+        Ok(joined) => joined.context("HTTP task")?.context("HTTP server")?,
+        Err(_) => tracing::warn!("HTTP connections still open after 5 s; closing them"),
+    }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Logs each child's progress until all are ready once (models take a while to load).
+async fn report_progress(children: Vec<watch::Receiver<ChildState>>) {
+    let started = std::time::Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_secs(2));
+    loop {
+        tick.tick().await;
+        let waiting: Vec<String> = children
+            .iter()
+            .map(|c| c.borrow().clone())
+            .filter(|c| c.phase != Phase::Ready)
+            .map(|c| format!("{} ({:?})", c.name, c.phase).to_lowercase())
+            .collect();
+        if waiting.is_empty() {
+            tracing::info!(
+                seconds = started.elapsed().as_secs_f32(),
+                "all models ready"
+            );
+            return;
+        }
+        tracing::info!(
+            seconds = started.elapsed().as_secs(),
+            "waiting for {}",
+            waiting.join(", ")
+        );
+    }
+}
+
+/// The admin token: from the config, or a new random one; written to RUN_DIR/admin-token
+/// (0600) so that the CLI on this machine can read it.
+fn write_admin_token(run_dir: &Path, configured: Option<String>) -> anyhow::Result<String> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let token = match configured {
+        Some(t) => t,
+        None => {
+            let mut bytes = [0u8; 24];
+            std::fs::File::open("/dev/urandom")
+                .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes))
+                .context("read /dev/urandom for the admin token")?;
+            bytes.iter().map(|b| format!("{b:02x}")).collect()
+        }
+    };
+    let path = run_dir.join(ADMIN_TOKEN_FILE);
+    let _ = std::fs::remove_file(&path);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+        .with_context(|| format!("write {}", path.display()))?;
+    f.write_all(token.as_bytes())?;
+    Ok(token)
 }

@@ -10,7 +10,7 @@ use serde::Serialize;
 use strata_proto::kvcache::kv_cache_client::KvCacheClient;
 use strata_proto::worker::worker_client::WorkerClient;
 use tokio::process::{Child, Command};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 
 /// Which gRPC service a child answers health checks on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -85,13 +85,33 @@ impl Backoff {
 const READY_TIMEOUT: Duration = Duration::from_secs(120);
 const STOP_GRACE: Duration = Duration::from_secs(10);
 
+/// Requests from the admin API to a supervised child.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Control {
+    /// Stop the child (SIGTERM, then SIGKILL) and start it again at once.
+    Restart,
+}
+
+/// A supervised child, as the rest of the gateway holds it.
+pub struct Supervised {
+    pub state: watch::Receiver<ChildState>,
+    pub control: mpsc::Sender<Control>,
+    pub task: tokio::task::JoinHandle<()>,
+}
+
+/// How often a ready child is asked for its health, and how many answers in a row may fail
+/// before it is taken for hung, killed and restarted.
+const HEALTH_EVERY: Duration = Duration::from_secs(2);
+const HEALTH_FAILURES_ALLOWED: u32 = 3;
+
 /// Starts supervising `spec` in its own task. The task stops the child and returns when
 /// `shutdown` turns true.
 pub fn supervise(
     spec: ChildSpec,
     backoff: Backoff,
     mut shutdown: watch::Receiver<bool>,
-) -> (watch::Receiver<ChildState>, tokio::task::JoinHandle<()>) {
+) -> Supervised {
+    let (control_tx, mut control) = mpsc::channel(4);
     let (state_tx, state_rx) = watch::channel(ChildState {
         name: spec.name.clone(),
         kind: spec.kind,
@@ -105,13 +125,24 @@ pub fn supervise(
         let mut delay = backoff.initial;
         loop {
             let started = Instant::now();
-            let result = run_once(&spec, &state_tx, &mut shutdown).await;
+            let result = run_once(&spec, &state_tx, &mut shutdown, &mut control).await;
             if *shutdown.borrow() {
                 break;
             }
             let error = match result {
                 Ok(status) => format!("exited: {status}"),
-                Err(e) => e,
+                Err(Down::Requested) => {
+                    tracing::info!(child = %spec.name, "restarting on request");
+                    state_tx.send_modify(|s| {
+                        s.phase = Phase::Restarting;
+                        s.pid = None;
+                        s.restarts += 1;
+                        s.last_error = Some("restarted on request".into());
+                    });
+                    delay = backoff.initial;
+                    continue;
+                }
+                Err(Down::Failed(e)) => e,
             };
             tracing::warn!(child = %spec.name, error = %error, "child down; restarting in {delay:?}");
             state_tx.send_modify(|s| {
@@ -131,7 +162,24 @@ pub fn supervise(
             s.pid = None;
         });
     });
-    (state_rx, task)
+    Supervised {
+        state: state_rx,
+        control: control_tx,
+        task,
+    }
+}
+
+/// Why a run of the child ended other than by its own exit.
+enum Down {
+    Failed(String),
+    /// Restart asked for through the admin API.
+    Requested,
+}
+
+impl From<String> for Down {
+    fn from(e: String) -> Self {
+        Down::Failed(e)
+    }
 }
 
 /// Runs the child once: spawn, wait for health, wait for exit or shutdown.
@@ -139,7 +187,8 @@ async fn run_once(
     spec: &ChildSpec,
     state: &watch::Sender<ChildState>,
     shutdown: &mut watch::Receiver<bool>,
-) -> Result<std::process::ExitStatus, String> {
+    control: &mut mpsc::Receiver<Control>,
+) -> Result<std::process::ExitStatus, Down> {
     let mut command = Command::new(&spec.program);
     command
         .args(&spec.args)
@@ -181,21 +230,43 @@ async fn run_once(
                 s.detail = Some(detail);
             });
         }
-        Err(e) if *shutdown.borrow() => {
-            stop(&spec.name, &mut child).await;
-            return Err(e);
-        }
         Err(e) => {
             stop(&spec.name, &mut child).await;
-            return Err(e);
+            return Err(e.into());
         }
     }
 
-    tokio::select! {
-        status = child.wait() => status.map_err(|e| format!("wait: {e}")),
-        _ = shutdown.changed() => {
-            stop(&spec.name, &mut child).await;
-            Err("stopped".into())
+    let mut health = tokio::time::interval(HEALTH_EVERY);
+    health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut failures = 0;
+    loop {
+        tokio::select! {
+            status = child.wait() => return status.map_err(|e| Down::Failed(format!("wait: {e}"))),
+            _ = shutdown.changed() => {
+                stop(&spec.name, &mut child).await;
+                return Err(Down::Failed("stopped".into()));
+            }
+            Some(Control::Restart) = control.recv() => {
+                stop(&spec.name, &mut child).await;
+                return Err(Down::Requested);
+            }
+            _ = health.tick() => {
+                match probe(spec).await {
+                    Ok(_) => failures = 0,
+                    Err(e) => {
+                        failures += 1;
+                        tracing::warn!(child = %spec.name, failures, error = %e, "health check failed");
+                        if failures >= HEALTH_FAILURES_ALLOWED {
+                            // Hung: it will not stop politely either.
+                            let _ = child.kill().await;
+                            return Err(Down::Failed(format!(
+                                "killed after {failures} failed health checks ({})",
+                                e.message()
+                            )));
+                        }
+                    }
+                }
+            }
         }
     }
 }

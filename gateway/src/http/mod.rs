@@ -1,26 +1,114 @@
-//! The gateway's HTTP surface. For now: `/health`, which reports every supervised child.
-//! The OpenAI and Anthropic APIs join here with the gateway issue.
+//! The gateway's HTTP surface: OpenAI and Anthropic APIs under `/v1`, the admin API under
+//! `/admin/api`, and `/health`. Handlers translate and validate; workers compute.
+
+pub mod admin;
+pub mod anthropic;
+pub mod error;
+pub mod generation;
+pub mod openai;
+
+use std::sync::Arc;
+use std::time::Duration;
 
 use axum::Router;
-use axum::extract::State;
+use axum::extract::{Request, State};
 use axum::http::StatusCode;
-use axum::response::{IntoResponse, Json};
-use axum::routing::get;
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Json, Response};
+use axum::routing::{get, post};
 use serde::Serialize;
 use tokio::sync::watch;
 
 use crate::supervisor::{ChildState, Phase};
+use crate::workers::Registry;
+use error::{ApiError, ErrorKind, Flavor};
 
 /// Shared, cheap-to-clone handles the HTTP handlers read.
 #[derive(Clone)]
 pub struct AppState {
     pub children: Vec<watch::Receiver<ChildState>>,
+    pub registry: Registry,
+    /// Keys accepted on /v1; empty means open.
+    pub api_keys: Arc<Vec<String>>,
+    pub admin: admin::AdminState,
+    pub request_timeout: Duration,
+    pub max_body_bytes: usize,
+    pub started_unix: u64,
 }
 
 pub fn router(state: AppState) -> Router {
+    let v1 = Router::new()
+        .route("/v1/models", get(openai::models))
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_api_key,
+        ));
     Router::new()
+        .merge(v1)
+        .merge(admin::router(state.clone()))
         .route("/health", get(health))
+        .fallback(not_found)
         .with_state(state)
+}
+
+/// Anthropic's clients call /v1/messages…; everything else gets OpenAI's error shape.
+fn flavor_of(path: &str) -> Flavor {
+    if path.starts_with("/v1/messages") {
+        Flavor::Anthropic
+    } else {
+        Flavor::OpenAi
+    }
+}
+
+/// `Authorization: Bearer KEY` (OpenAI SDKs) or `x-api-key: KEY` (Anthropic SDKs).
+async fn require_api_key(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    if state.api_keys.is_empty() {
+        return next.run(req).await;
+    }
+    let headers = req.headers();
+    let bearer = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    let x_api_key = headers.get("x-api-key").and_then(|v| v.to_str().ok());
+    let presented = bearer.or(x_api_key);
+    match presented {
+        Some(key)
+            if state
+                .api_keys
+                .iter()
+                .any(|k| constant_time_eq(k.as_bytes(), key.as_bytes())) =>
+        {
+            next.run(req).await
+        }
+        Some(_) => ApiError::new(ErrorKind::Authentication, "invalid API key")
+            .flavor(flavor_of(req.uri().path()))
+            .into_response(),
+        None => ApiError::new(
+            ErrorKind::Authentication,
+            "missing API key: send Authorization: Bearer KEY or x-api-key: KEY",
+        )
+        .flavor(flavor_of(req.uri().path()))
+        .into_response(),
+    }
+}
+
+/// Compares secrets without stopping at the first difference.
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn not_found(req: Request) -> Response {
+    ApiError::new(
+        ErrorKind::NotFound,
+        format!("no route for {} {}", req.method(), req.uri().path()),
+    )
+    .flavor(flavor_of(req.uri().path()))
+    .into_response()
 }
 
 #[derive(Serialize)]

@@ -4,5 +4,6 @@ pub mod blas_env;
 pub mod engine;
 pub mod grpc;
 pub mod mlx_device;
+pub mod scheduler;
 pub mod template;
 pub mod tokenizer;

@@ -4,12 +4,14 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use strata_proto::worker::InfoResponse;
 use strata_proto::worker::worker_server::WorkerServer;
 use strata_worker::engine::DtypePolicy;
 use strata_worker::engine::generate::{EngineOptions, GenerateRequest};
 use strata_worker::engine::loader::{self, LoadedModel};
 use strata_worker::engine::sample::SamplingParams;
-use strata_worker::grpc::{ModelInfo, WorkerService};
+use strata_worker::grpc::{ModelInfo, Serving, WorkerService};
+use strata_worker::scheduler::Scheduler;
 use strata_worker::template::ChatMessage;
 use strata_worker::{blas_env, mlx_device};
 
@@ -28,12 +30,26 @@ struct Cli {
 enum Command {
     /// Serve the Worker gRPC service on a Unix socket until SIGTERM or Ctrl-C.
     Serve {
-        /// Unix socket to listen on (created with mode 0600).
+        /// Unix socket to listen on (created with mode 0600). It appears once the model is
+        /// loaded.
         #[arg(long)]
         socket: PathBuf,
-        /// GGUF file or safetensors folder of the model to serve.
+        /// GGUF file or safetensors folder of the model to serve; without it the worker
+        /// answers only Health (for tests of supervision).
         #[arg(long)]
         model: Option<PathBuf>,
+        /// The id clients use for this model [default: the file or folder name].
+        #[arg(long)]
+        model_id: Option<String>,
+        #[arg(long)]
+        dtype_policy: Option<DtypePolicy>,
+        #[arg(long, default_value_t = 256)]
+        block_tokens: usize,
+        #[arg(long, default_value_t = strata_worker::engine::generate::DEFAULT_PREFILL_CHUNK_TOKENS)]
+        prefill_chunk_tokens: usize,
+        /// Requests that may wait for the engine; more are refused (the gateway answers 429).
+        #[arg(long, default_value_t = 64)]
+        queue: usize,
     },
     /// Print which MLX library and device this process gets, then exit.
     Probe,
@@ -263,20 +279,35 @@ fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Command::Serve { socket, model } => {
-            if let Some(path) = &model {
-                anyhow::ensure!(
-                    path.exists(),
-                    "model path {} does not exist",
-                    path.display()
-                );
-            }
+        Command::Serve {
+            socket,
+            model,
+            model_id,
+            dtype_policy,
+            block_tokens,
+            prefill_chunk_tokens,
+            queue,
+        } => {
+            let serving = match &model {
+                Some(path) => {
+                    let args = ModelArgs {
+                        model: path.clone(),
+                        dtype_policy,
+                        block_tokens,
+                        prefill_chunk_tokens,
+                    };
+                    let loaded = args.open(&info.device)?;
+                    let id = model_id.unwrap_or_else(|| default_model_id(path));
+                    Some(serving(id, loaded, args.options(), queue))
+                }
+                None => None,
+            };
             let info = ModelInfo {
                 model_path: model,
                 ..info
             };
             let runtime = tokio::runtime::Runtime::new().context("start the tokio runtime")?;
-            runtime.block_on(serve(socket, info))
+            runtime.block_on(serve(socket, info, serving))
         }
     }
 }
@@ -286,7 +317,45 @@ fn median(values: &mut [f64]) -> f64 {
     values.get(values.len() / 2).copied().unwrap_or(0.0)
 }
 
-async fn serve(socket: PathBuf, info: ModelInfo) -> anyhow::Result<()> {
+fn default_model_id(path: &std::path::Path) -> String {
+    path.file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into())
+}
+
+/// Puts a loaded model behind the engine thread.
+fn serving(id: String, loaded: LoadedModel, options: EngineOptions, queue: usize) -> Serving {
+    let config = loaded.model.config();
+    let info = InfoResponse {
+        model_id: id.clone(),
+        kind: "llm".into(),
+        context_length: config.context_length as u32,
+        kv_bytes_per_token: loaded.model.kv_layout().bytes_per_token() as u64,
+        fingerprint: loaded.fingerprint.clone(),
+        block_tokens: loaded.block_tokens as u32,
+        model_path: loaded.path.display().to_string(),
+        vocab_size: config.vocab_size as u32,
+        chat_template: if loaded.template.is_fallback {
+            "chatml-fallback".into()
+        } else {
+            "model".into()
+        },
+        dtype_policy: loaded.policy.to_string(),
+    };
+    let context_length = config.context_length;
+    let tokenizer = loaded.tokenizer.clone();
+    let template = loaded.template.clone();
+    Serving {
+        model_id: id,
+        info,
+        tokenizer,
+        template,
+        scheduler: Scheduler::start(loaded, options, queue),
+        context_length,
+    }
+}
+
+async fn serve(socket: PathBuf, info: ModelInfo, serving: Option<Serving>) -> anyhow::Result<()> {
     let incoming = strata_runtime::uds::bind(&socket).await?;
     tracing::info!(socket = %socket.display(), mlx = %info.mlx_version, device = %info.device, "worker listening");
     strata_runtime::shutdown::serve_until_signal(
@@ -294,7 +363,7 @@ async fn serve(socket: PathBuf, info: ModelInfo) -> anyhow::Result<()> {
         std::time::Duration::from_secs(3),
         |drain| {
             strata_runtime::uds::server()
-                .add_service(WorkerServer::new(WorkerService::new(info)))
+                .add_service(WorkerServer::new(WorkerService::new(info, serving)))
                 .serve_with_incoming_shutdown(incoming, drain)
         },
     )

@@ -15,6 +15,8 @@ use super::llama::{Model, TensorNaming};
 use super::policy::DtypePolicy;
 use super::weights::TensorStore;
 use super::{EngineError, Result};
+use std::sync::Arc;
+
 use crate::template::ChatTemplate;
 use crate::tokenizer::Tokenizer;
 
@@ -31,8 +33,10 @@ pub struct LoadedModel {
     pub path: PathBuf,
     pub format: ModelFormat,
     pub model: Model,
-    pub tokenizer: Tokenizer,
-    pub template: ChatTemplate,
+    /// Shared with the request handlers, which tokenize while the engine computes.
+    pub tokenizer: Arc<Tokenizer>,
+    pub template: Arc<ChatTemplate>,
+    pub policy: DtypePolicy,
     /// Token ids that end a generation (EOS and the turn-end tokens the vocabulary has).
     pub stop_tokens: Vec<u32>,
     /// Names the KV blocks this model computes under this policy (hex BLAKE3).
@@ -90,8 +94,9 @@ pub fn open(path: &Path, policy: DtypePolicy, block_tokens: usize) -> Result<Loa
         path: path.to_path_buf(),
         format,
         model,
-        tokenizer,
-        template,
+        tokenizer: Arc::new(tokenizer),
+        template: Arc::new(template),
+        policy,
         stop_tokens,
         fingerprint,
         block_tokens,

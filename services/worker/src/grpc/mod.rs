@@ -2,4 +2,4 @@
 
 mod service;
 
-pub use service::{ModelInfo, WorkerService};
+pub use service::{ModelInfo, Serving, WorkerService};

@@ -1,9 +1,23 @@
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use strata_proto::worker::worker_server::Worker;
-use strata_proto::worker::{HealthRequest, HealthResponse};
+use strata_proto::worker::{
+    self as pb, EmbedRequest, EmbedResponse, GenerateEvent, HealthRequest, HealthResponse,
+    InfoRequest, InfoResponse, StatsRequest, StatsResponse, TokenizeRequest, TokenizeResponse,
+    generate_event, prompt,
+};
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
+
+use crate::engine::EngineError;
+use crate::engine::generate::{FinishReason, GenerateRequest};
+use crate::engine::sample::{Sampled, SamplingParams};
+use crate::scheduler::{JobEvent, Scheduler, SubmitError};
+use crate::template::{ChatMessage, ChatTemplate};
+use crate::tokenizer::Tokenizer;
 
 /// What the worker serves, fixed at start-up.
 #[derive(Debug, Clone)]
@@ -13,17 +27,156 @@ pub struct ModelInfo {
     pub device: String,
 }
 
+/// The loaded model as the handlers see it: shared read-only parts, and the engine handle.
+pub struct Serving {
+    pub model_id: String,
+    pub info: InfoResponse,
+    pub tokenizer: Arc<Tokenizer>,
+    pub template: Arc<ChatTemplate>,
+    pub scheduler: Scheduler,
+    /// Largest prompt + max_tokens accepted (the model's context).
+    pub context_length: usize,
+}
+
 pub struct WorkerService {
     info: ModelInfo,
+    serving: Option<Arc<Serving>>,
     started: Instant,
 }
 
 impl WorkerService {
-    pub fn new(info: ModelInfo) -> Self {
+    pub fn new(info: ModelInfo, serving: Option<Serving>) -> Self {
         Self {
             info,
+            serving: serving.map(Arc::new),
             started: Instant::now(),
         }
+    }
+
+    fn serving(&self) -> Result<&Arc<Serving>, Status> {
+        self.serving
+            .as_ref()
+            .ok_or_else(|| Status::failed_precondition("this worker was started without a model"))
+    }
+}
+
+/// A chat message as the client sent it (OpenAI shape): role, content, and any other fields,
+/// which the template may read (tool calls, names).
+fn parse_messages(json: &str) -> Result<Vec<ChatMessage>, Status> {
+    let raw: Vec<serde_json::Map<String, serde_json::Value>> = serde_json::from_str(json)
+        .map_err(|e| Status::invalid_argument(format!("messages: {e}")))?;
+    if raw.is_empty() {
+        return Err(Status::invalid_argument("messages must not be empty"));
+    }
+    raw.into_iter()
+        .enumerate()
+        .map(|(i, mut m)| {
+            let role = match m.remove("role") {
+                Some(serde_json::Value::String(r)) => r,
+                _ => {
+                    return Err(Status::invalid_argument(format!(
+                        "messages[{i}].role must be a string"
+                    )));
+                }
+            };
+            let content = m.remove("content").unwrap_or(serde_json::Value::Null);
+            Ok(ChatMessage {
+                role,
+                content,
+                extra: m,
+            })
+        })
+        .collect()
+}
+
+impl Serving {
+    /// The prompt's text (for a chat: the rendered template) and its token ids.
+    pub fn tokenize(&self, prompt: Option<pb::Prompt>) -> Result<(String, Vec<u32>), Status> {
+        let input = prompt
+            .and_then(|p| p.input)
+            .ok_or_else(|| Status::invalid_argument("prompt is missing"))?;
+        match input {
+            prompt::Input::Text(text) => {
+                let ids = self.tokenizer.encode(&text).map_err(internal)?;
+                Ok((text, ids))
+            }
+            prompt::Input::TokenIds(ids) => Ok((String::new(), ids.ids)),
+            prompt::Input::Chat(chat) => {
+                let messages = parse_messages(&chat.messages_json)?;
+                let tools = if chat.tools_json.is_empty() {
+                    None
+                } else {
+                    Some(
+                        serde_json::from_str::<serde_json::Value>(&chat.tools_json)
+                            .map_err(|e| Status::invalid_argument(format!("tools: {e}")))?,
+                    )
+                };
+                let text = self
+                    .template
+                    .render(&messages, chat.add_generation_prompt, tools.as_ref())
+                    // The template rejected the conversation (e.g. a role it does not know).
+                    .map_err(|e| Status::invalid_argument(e.to_string()))?;
+                let ids = self.tokenizer.encode(&text).map_err(internal)?;
+                Ok((text, ids))
+            }
+        }
+    }
+
+    fn token_text(&self, id: u32) -> String {
+        self.tokenizer.decode(&[id], false).unwrap_or_default()
+    }
+
+    fn logprob(&self, s: &Sampled) -> pb::TokenLogprob {
+        pb::TokenLogprob {
+            token: s.token,
+            text: self.token_text(s.token),
+            logprob: s.logprob.unwrap_or(0.0),
+            top: s
+                .top
+                .iter()
+                .map(|&(token, logprob)| pb::TopLogprob {
+                    token,
+                    text: self.token_text(token),
+                    logprob,
+                })
+                .collect(),
+        }
+    }
+}
+
+fn internal(e: impl std::fmt::Display) -> Status {
+    Status::internal(e.to_string())
+}
+
+fn sampling(s: Option<pb::Sampling>) -> SamplingParams {
+    let Some(s) = s else {
+        return SamplingParams::default();
+    };
+    SamplingParams {
+        temperature: s.temperature,
+        top_p: s.top_p,
+        top_k: s.top_k as usize,
+        min_p: s.min_p,
+        repetition_penalty: s.repetition_penalty,
+        presence_penalty: s.presence_penalty,
+        frequency_penalty: s.frequency_penalty,
+        seed: s.seed,
+        logprobs: s.logprobs.map(|n| n as usize),
+    }
+}
+
+fn engine_status(e: EngineError) -> Status {
+    match e {
+        EngineError::InvalidRequest(m) => Status::invalid_argument(m),
+        other => Status::internal(other.to_string()),
+    }
+}
+
+fn finish_reason(f: FinishReason) -> pb::FinishReason {
+    match f {
+        FinishReason::Stop => pb::FinishReason::Stop,
+        FinishReason::Length => pb::FinishReason::Length,
+        FinishReason::Cancelled => pb::FinishReason::Cancelled,
     }
 }
 
@@ -48,4 +201,160 @@ impl Worker for WorkerService {
                 .unwrap_or_default(),
         }))
     }
+
+    async fn info(&self, _req: Request<InfoRequest>) -> Result<Response<InfoResponse>, Status> {
+        Ok(Response::new(self.serving()?.info.clone()))
+    }
+
+    async fn tokenize(
+        &self,
+        req: Request<TokenizeRequest>,
+    ) -> Result<Response<TokenizeResponse>, Status> {
+        let serving = self.serving()?.clone();
+        let prompt = req.into_inner().prompt;
+        let (text, ids) = tokio::task::spawn_blocking(move || serving.tokenize(prompt))
+            .await
+            .map_err(internal)??;
+        Ok(Response::new(TokenizeResponse {
+            count: ids.len() as u32,
+            ids,
+            text,
+        }))
+    }
+
+    type GenerateStream = ReceiverStream<Result<GenerateEvent, Status>>;
+
+    async fn generate(
+        &self,
+        req: Request<pb::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        let serving = self.serving()?.clone();
+        let req = req.into_inner();
+        let request_id = req.request_id.clone();
+        let prompt = req.prompt;
+        let s2 = serving.clone();
+        let (_, ids) = tokio::task::spawn_blocking(move || s2.tokenize(prompt))
+            .await
+            .map_err(internal)??;
+        let prompt_tokens = ids.len();
+        // 0 asks for as many tokens as the context leaves room for.
+        let max_tokens = match req.max_tokens {
+            0 => serving.context_length.saturating_sub(prompt_tokens),
+            n => n as usize,
+        };
+        let request = GenerateRequest {
+            prompt: ids,
+            max_tokens,
+            sampling: sampling(req.sampling),
+            stop: req.stop,
+            stop_token_ids: req.stop_token_ids,
+            ignore_eos: req.ignore_eos,
+        };
+        // Refuse what the engine would refuse before queueing it.
+        validate(&serving, &request)?;
+        let mut events = serving.scheduler.submit(request).map_err(|e| match e {
+            SubmitError::Busy(_) => Status::resource_exhausted(e.to_string()),
+            SubmitError::Stopped => Status::unavailable(e.to_string()),
+        })?;
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        let started = GenerateEvent {
+            event: Some(generate_event::Event::Started(pb::GenerateStarted {
+                prompt_tokens: prompt_tokens as u32,
+            })),
+        };
+        // The channel is empty: this cannot fail for lack of room.
+        let _ = tx.try_send(Ok(started));
+        tokio::spawn(async move {
+            while let Some(event) = events.recv().await {
+                let message = match event {
+                    JobEvent::Token(t) => {
+                        let logprobs = if t.sampled.logprob.is_some() {
+                            vec![serving.logprob(&t.sampled)]
+                        } else {
+                            Vec::new()
+                        };
+                        Ok(GenerateEvent {
+                            event: Some(generate_event::Event::Delta(pb::TokenDelta {
+                                text: t.text,
+                                token_ids: vec![t.token],
+                                logprobs,
+                            })),
+                        })
+                    }
+                    JobEvent::Done { result, queued } => {
+                        result.map_err(engine_status).map(|g| GenerateEvent {
+                            event: Some(generate_event::Event::Done(pb::GenerateDone {
+                                finish_reason: finish_reason(g.finish) as i32,
+                                usage: Some(pb::Usage {
+                                    prompt_tokens: g.prompt_tokens as u32,
+                                    completion_tokens: g.tokens.len() as u32,
+                                    cached_tokens: 0,
+                                }),
+                                timings: Some(pb::Timings {
+                                    queue_ms: queued.as_secs_f64() * 1e3,
+                                    prefill_ms: g.timings.prefill.as_secs_f64() * 1e3,
+                                    decode_ms: g.timings.decode.as_secs_f64() * 1e3,
+                                    time_to_first_token_ms: g
+                                        .timings
+                                        .time_to_first_token
+                                        .as_secs_f64()
+                                        * 1e3,
+                                }),
+                            })),
+                        })
+                    }
+                };
+                if let Err(e) = &message {
+                    tracing::warn!(request_id, error = %e, "generation failed");
+                }
+                // The gateway dropped the stream: dropping `events` cancels the job.
+                if tx.send(message).await.is_err() {
+                    tracing::info!(request_id, "client went away; generation cancelled");
+                    break;
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn embed(&self, _req: Request<EmbedRequest>) -> Result<Response<EmbedResponse>, Status> {
+        let serving = self.serving()?;
+        Err(Status::unimplemented(format!(
+            "model {} is a {} model; embeddings need an embedding model",
+            serving.model_id, serving.info.kind
+        )))
+    }
+
+    async fn stats(&self, _req: Request<StatsRequest>) -> Result<Response<StatsResponse>, Status> {
+        let serving = self.serving()?;
+        let c = &serving.scheduler.counters;
+        Ok(Response::new(StatsResponse {
+            requests_total: c.requests.load(Ordering::Relaxed),
+            requests_failed: c.failed.load(Ordering::Relaxed),
+            queue_depth: c.queued.load(Ordering::Relaxed) as u32,
+            running: c.running.load(Ordering::Relaxed) as u32,
+            prompt_tokens_total: c.prompt_tokens.load(Ordering::Relaxed),
+            generated_tokens_total: c.generated_tokens.load(Ordering::Relaxed),
+            queue_capacity: serving.scheduler.capacity as u32,
+        }))
+    }
+}
+
+/// The engine's own request checks, done here so that a bad request never waits in the queue.
+fn validate(serving: &Serving, req: &GenerateRequest) -> Result<(), Status> {
+    let context = serving.context_length;
+    if req.prompt.is_empty() {
+        return Err(Status::invalid_argument("the prompt is empty"));
+    }
+    if req.max_tokens == 0 {
+        return Err(Status::invalid_argument("max_tokens must be at least 1"));
+    }
+    if req.prompt.len() + req.max_tokens > context {
+        return Err(Status::out_of_range(format!(
+            "prompt ({} tokens) plus max_tokens ({}) exceeds the context of {context} tokens",
+            req.prompt.len(),
+            req.max_tokens
+        )));
+    }
+    req.sampling.validate().map_err(Status::invalid_argument)
 }

@@ -1,0 +1,230 @@
+//! `strata.toml`: what `strata up` serves and how. Every field has a default, so a file may
+//! name only its models; command-line flags override the file.
+//!
+//! ```toml
+//! bind = "127.0.0.1:8080"
+//! api_keys = ["sk-local-1"]          # /v1 needs one of these when set
+//! admin_token = "change-me"          # /admin needs it; generated when absent
+//! request_timeout_secs = 600
+//!
+//! [cache]
+//! dir = "/Volumes/FastSSD/strata-kv"
+//! ram = "4GiB"
+//! disk = "100GiB"
+//!
+//! [[models]]
+//! id = "smollm2"
+//! path = "~/.cache/strata/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
+//! kind = "llm"
+//! aliases = ["gpt-4o-mini", "claude-3-5-haiku-latest"]
+//! pinned = true
+//! ```
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    #[serde(default = "default_bind")]
+    pub bind: SocketAddr,
+    /// Keys accepted on /v1 (as `Authorization: Bearer KEY` or `x-api-key: KEY`). Empty: open.
+    #[serde(default)]
+    pub api_keys: Vec<String>,
+    /// Token for /admin. When absent, one is generated and written to the run dir (0600).
+    #[serde(default)]
+    pub admin_token: Option<String>,
+    /// OTLP/gRPC endpoint for traces (e.g. http://127.0.0.1:4317); off when absent.
+    #[serde(default)]
+    pub otlp_endpoint: Option<String>,
+    #[serde(default = "default_request_timeout")]
+    pub request_timeout_secs: u64,
+    /// Largest request body accepted, in bytes.
+    #[serde(default = "default_max_body")]
+    pub max_body_bytes: usize,
+    #[serde(default)]
+    pub run_dir: Option<PathBuf>,
+    #[serde(default)]
+    pub cache: CacheConfig,
+    #[serde(default)]
+    pub models: Vec<ModelConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct CacheConfig {
+    /// The disk tier's directory (the chosen SSD) [default: $STRATA_CACHE/kv].
+    pub dir: Option<PathBuf>,
+    /// RAM tier size [default: 1GiB].
+    pub ram: Option<String>,
+    /// Disk tier limit [default: 20GiB].
+    pub disk: Option<String>,
+    /// Socket of a cache service run by launchd/systemd; when it answers, `strata up` uses it
+    /// instead of starting its own [default: RUN_DIR/kvcache.sock].
+    pub socket: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelKind {
+    Llm,
+    Vlm,
+    Embedding,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    pub id: String,
+    pub path: PathBuf,
+    #[serde(default = "default_kind")]
+    pub kind: ModelKind,
+    /// Other names clients may use for this model.
+    #[serde(default)]
+    pub aliases: Vec<String>,
+    /// Never unloaded to make room for another model.
+    #[serde(default)]
+    pub pinned: bool,
+}
+
+fn default_bind() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 8080))
+}
+
+fn default_request_timeout() -> u64 {
+    600
+}
+
+fn default_max_body() -> usize {
+    16 << 20
+}
+
+fn default_kind() -> ModelKind {
+    ModelKind::Llm
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            bind: default_bind(),
+            api_keys: Vec::new(),
+            admin_token: None,
+            otlp_endpoint: None,
+            request_timeout_secs: default_request_timeout(),
+            max_body_bytes: default_max_body(),
+            run_dir: None,
+            cache: CacheConfig::default(),
+            models: Vec::new(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl Config {
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let mut config: Config = toml::from_str(&text).map_err(|e| ConfigError::Parse {
+            path: path.to_owned(),
+            message: e.to_string(),
+        })?;
+        for m in &mut config.models {
+            m.path = expand_home(&m.path);
+        }
+        config.cache.dir = config.cache.dir.as_deref().map(expand_home);
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Ids and aliases are unique, models exist.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let mut names = std::collections::HashSet::new();
+        for m in &self.models {
+            if m.id.is_empty() {
+                return Err(ConfigError::Invalid("a model has an empty id".into()));
+            }
+            for name in std::iter::once(&m.id).chain(&m.aliases) {
+                if !names.insert(name.as_str()) {
+                    return Err(ConfigError::Invalid(format!(
+                        "model name {name:?} is used twice"
+                    )));
+                }
+            }
+            if !m.path.exists() {
+                return Err(ConfigError::Invalid(format!(
+                    "model {}: {} does not exist",
+                    m.id,
+                    m.path.display()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn expand_home(p: &Path) -> PathBuf {
+    match p.strip_prefix("~") {
+        Ok(rest) => std::env::var_os("HOME")
+            .map(|h| PathBuf::from(h).join(rest))
+            .unwrap_or_else(|| p.to_owned()),
+        Err(_) => p.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_minimal_file_gets_defaults_and_bad_files_say_why() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = dir.path().join("m.gguf");
+        std::fs::write(&model, b"x").unwrap();
+        let path = dir.path().join("strata.toml");
+        std::fs::write(
+            &path,
+            format!(
+                "[[models]]\nid = \"m\"\npath = {:?}\naliases = [\"gpt-4o\"]\n",
+                model.display().to_string()
+            ),
+        )
+        .unwrap();
+        let c = Config::load(&path).unwrap();
+        assert_eq!(c.bind, default_bind());
+        assert_eq!(c.models[0].kind, ModelKind::Llm);
+        assert_eq!(c.models[0].aliases, vec!["gpt-4o"]);
+
+        std::fs::write(&path, "bind = 12\n").unwrap();
+        let e = Config::load(&path).unwrap_err().to_string();
+        assert!(e.contains("strata.toml") && e.contains("bind"), "{e}");
+        std::fs::write(&path, "colour = \"blue\"\n").unwrap();
+        let e = Config::load(&path).unwrap_err().to_string();
+        assert!(e.contains("colour"), "{e}");
+        std::fs::write(
+            &path,
+            format!(
+                "[[models]]\nid = \"a\"\npath = {0:?}\n[[models]]\nid = \"b\"\npath = {0:?}\naliases = [\"a\"]\n",
+                model.display().to_string()
+            ),
+        )
+        .unwrap();
+        let e = Config::load(&path).unwrap_err().to_string();
+        assert!(e.contains("used twice"), "{e}");
+    }
+}

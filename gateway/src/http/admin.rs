@@ -1,0 +1,216 @@
+//! The admin API (`/admin/api/…`): worker states and restarts, cache statistics and clearing.
+//! It needs the admin token (`Authorization: Bearer TOKEN`) and answers only loopback clients.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{ConnectInfo, Path, Request, State};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Json, Response};
+use axum::routing::{get, post};
+use serde_json::{Value, json};
+use strata_proto::kvcache::kv_cache_client::KvCacheClient;
+use strata_proto::kvcache::{self as kv};
+use tokio::sync::mpsc;
+
+use super::AppState;
+use super::error::{ApiError, ErrorKind};
+use crate::supervisor::Control;
+
+#[derive(Clone)]
+pub struct AdminState {
+    pub token: Arc<String>,
+    /// Restart handles by child name.
+    pub controls: Arc<HashMap<String, mpsc::Sender<Control>>>,
+    pub kvcache_socket: PathBuf,
+}
+
+pub fn router(state: AppState) -> Router<AppState> {
+    Router::new()
+        .route("/admin/api/workers", get(workers))
+        .route("/admin/api/workers/{name}/restart", post(restart))
+        .route("/admin/api/cache/stats", get(cache_stats))
+        .route("/admin/api/cache/clear", post(cache_clear))
+        .route_layer(middleware::from_fn_with_state(state, require_admin))
+}
+
+async fn require_admin(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let loopback = req
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .is_none_or(|ci| ci.0.ip().is_loopback());
+    if !loopback {
+        return ApiError::new(ErrorKind::NotFound, "no such route").into_response();
+    }
+    let token = req
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    match token {
+        Some(t) if super::constant_time_eq(t.as_bytes(), state.admin.token.as_bytes()) => {
+            next.run(req).await
+        }
+        _ => ApiError::new(
+            ErrorKind::Authentication,
+            "the admin API needs Authorization: Bearer ADMIN_TOKEN (see the run dir's admin-token file)",
+        )
+        .into_response(),
+    }
+}
+
+async fn workers(State(state): State<AppState>) -> Json<Value> {
+    let models: HashMap<String, Value> = state
+        .registry
+        .models()
+        .iter()
+        .map(|m| {
+            (
+                m.state.borrow().name.clone(),
+                json!({"model": m.id, "aliases": m.aliases, "kind": m.kind, "pinned": m.pinned, "path": m.path}),
+            )
+        })
+        .collect();
+    let children: Vec<Value> = state
+        .children
+        .iter()
+        .map(|c| {
+            let c = c.borrow().clone();
+            let mut v = serde_json::to_value(&c).unwrap_or(Value::Null);
+            if let Some(m) = models.get(&c.name) {
+                v["model"] = m.clone();
+            }
+            v
+        })
+        .collect();
+    Json(json!({"workers": children}))
+}
+
+async fn restart(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+) -> Result<Response, ApiError> {
+    // A model id names its worker too.
+    let child = state
+        .registry
+        .models()
+        .iter()
+        .find(|m| m.id == name)
+        .map(|m| m.state.borrow().name.clone())
+        .unwrap_or(name);
+    let control =
+        state.admin.controls.get(&child).ok_or_else(|| {
+            ApiError::new(ErrorKind::NotFound, format!("no worker named {child:?}"))
+        })?;
+    control
+        .send(Control::Restart)
+        .await
+        .map_err(|_| ApiError::new(ErrorKind::Overloaded, "the gateway is shutting down"))?;
+    Ok(Json(json!({"restarting": child})).into_response())
+}
+
+fn kv_client(state: &AppState) -> KvCacheClient<tonic::transport::Channel> {
+    KvCacheClient::new(strata_runtime::uds::channel(
+        &state.admin.kvcache_socket,
+        Duration::from_secs(2),
+    ))
+}
+
+fn tier(t: Option<kv::TierStats>) -> Value {
+    let t = t.unwrap_or_default();
+    json!({"blocks": t.blocks, "bytes": t.bytes, "hits": t.hits, "evictions": t.evictions})
+}
+
+async fn cache_stats(State(state): State<AppState>) -> Result<Response, ApiError> {
+    let mut req = tonic::Request::new(kv::StatsRequest {});
+    req.set_timeout(Duration::from_secs(5));
+    let s = kv_client(&state)
+        .stats(req)
+        .await
+        .map_err(|e| {
+            ApiError::new(
+                ErrorKind::Overloaded,
+                format!("cache service: {}", e.message()),
+            )
+        })?
+        .into_inner();
+    Ok(Json(json!({
+        "ram": tier(s.ram),
+        "disk": tier(s.disk),
+        "misses": s.misses,
+        "corrupt_blocks": s.corrupt_blocks,
+        "disk_bytes_written": s.disk_bytes_written,
+        "disk_bytes_written_today": s.disk_bytes_written_today,
+        "disk_write_budget_bytes": s.disk_write_budget_bytes,
+        "disk_write_budget_left": s.disk_write_budget_left,
+        "ram_limit_bytes": s.ram_limit_bytes,
+        "disk_limit_bytes": s.disk_limit_bytes,
+        "stores_refused": s.stores_refused,
+        "disk_write_failures": s.disk_write_failures,
+        "writes_deferred": s.writes_deferred,
+        "evicted_unwritten": s.evicted_unwritten,
+        "disk_degraded": s.disk_degraded,
+        "namespaces": s.namespaces.into_iter().map(|n| json!({
+            "namespace": n.namespace,
+            "ram": tier(n.ram),
+            "disk": tier(n.disk),
+            "misses": n.misses,
+            "disk_quota_bytes": n.disk_quota_bytes,
+        })).collect::<Vec<_>>(),
+    }))
+    .into_response())
+}
+
+/// Body: `{"model": "ID"}` clears that model's blocks (its namespace is its fingerprint);
+/// `{}` clears everything.
+async fn cache_clear(
+    State(state): State<AppState>,
+    body: axum::body::Body,
+) -> Result<Response, ApiError> {
+    #[derive(serde::Deserialize, Default)]
+    struct Clear {
+        model: Option<String>,
+    }
+    let req: Clear = super::generation::read_json(body, 4096, super::error::Flavor::OpenAi)
+        .await
+        .or_else(|e| {
+            if e.message.contains("empty") {
+                Ok(Clear::default())
+            } else {
+                Err(e)
+            }
+        })?;
+    let namespace = match &req.model {
+        Some(name) => {
+            let model = state.registry.resolve(name)?;
+            let mut client = model.ready_client()?;
+            client
+                .info(strata_proto::worker::InfoRequest {})
+                .await
+                .map_err(|e| super::error::from_worker_status(&e))?
+                .into_inner()
+                .fingerprint
+        }
+        None => String::new(),
+    };
+    let mut req = tonic::Request::new(kv::ClearRequest {
+        namespace: namespace.clone(),
+    });
+    req.set_timeout(Duration::from_secs(30));
+    let removed = kv_client(&state)
+        .clear(req)
+        .await
+        .map_err(|e| {
+            ApiError::new(
+                ErrorKind::Overloaded,
+                format!("cache service: {}", e.message()),
+            )
+        })?
+        .into_inner()
+        .blocks_removed;
+    Ok(Json(json!({"namespace": namespace, "blocks_removed": removed})).into_response())
+}

@@ -1,0 +1,311 @@
+//! Anthropic's Messages API: `POST /v1/messages` (streaming with the full event sequence, and
+//! not) and `POST /v1/messages/count_tokens`. Fields agents send that do not change the output
+//! here (`metadata`, `cache_control`, `thinking`, `betas`, unknown headers) are accepted.
+
+use std::convert::Infallible;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Json, Response};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use strata_proto::worker::{self as pb, generate_event};
+use tokio_stream::wrappers::ReceiverStream;
+
+use super::AppState;
+use super::error::{ApiError, ErrorKind, Flavor, from_worker_status};
+use super::generation::{self, Collected, read_json, response_id};
+
+const FLAVOR: Flavor = Flavor::Anthropic;
+
+#[derive(Debug, Deserialize)]
+pub struct MessagesRequest {
+    model: String,
+    max_tokens: u32,
+    messages: Vec<Value>,
+    system: Option<Value>,
+    stop_sequences: Option<Vec<String>>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    top_k: Option<u32>,
+    #[serde(default)]
+    stream: bool,
+    tools: Option<Vec<Value>>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct CountTokensRequest {
+    model: String,
+    messages: Vec<Value>,
+    system: Option<Value>,
+    tools: Option<Vec<Value>>,
+}
+
+fn invalid(message: impl Into<String>) -> ApiError {
+    ApiError::invalid(message).flavor(FLAVOR)
+}
+
+/// Text of a content value: a string, or the text blocks of an array.
+fn text_of(content: &Value, what: &str) -> Result<String, ApiError> {
+    match content {
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(blocks) => {
+            let mut text = String::new();
+            for (j, b) in blocks.iter().enumerate() {
+                match b.get("type").and_then(Value::as_str) {
+                    Some("text") => match b.get("text").and_then(Value::as_str) {
+                        Some(t) => text.push_str(t),
+                        None => return Err(invalid(format!("{what}[{j}].text must be a string"))),
+                    },
+                    Some(kind @ ("image" | "document")) => {
+                        return Err(invalid(format!(
+                            "{what}[{j}] is an {kind} block: this model reads text only"
+                        )));
+                    }
+                    Some(kind @ ("tool_use" | "tool_result")) => {
+                        return Err(invalid(format!(
+                            "{what}[{j}] is a {kind} block: tools are not supported by this server yet"
+                        )));
+                    }
+                    // Thinking blocks from earlier turns carry nothing the model can use here.
+                    Some("thinking" | "redacted_thinking") => {}
+                    _ => return Err(invalid(format!("{what}[{j}] has an unknown type"))),
+                }
+            }
+            Ok(text)
+        }
+        _ => Err(invalid(format!(
+            "{what} must be a string or an array of content blocks"
+        ))),
+    }
+}
+
+/// Anthropic messages (system apart, user/assistant alternating) as template messages.
+fn chat_prompt(
+    system: Option<&Value>,
+    messages: &[Value],
+    tools: Option<&Vec<Value>>,
+) -> Result<pb::Prompt, ApiError> {
+    if tools.is_some_and(|t| !t.is_empty()) {
+        return Err(invalid(
+            "tools are not supported by this server yet; send the request without tools",
+        ));
+    }
+    if messages.is_empty() {
+        return Err(invalid("messages: at least one message is required"));
+    }
+    let mut out = Vec::new();
+    if let Some(system) = system {
+        let text = text_of(system, "system")?;
+        if !text.is_empty() {
+            out.push(json!({"role": "system", "content": text}));
+        }
+    }
+    for (i, m) in messages.iter().enumerate() {
+        let role = match m.get("role").and_then(Value::as_str) {
+            Some(r @ ("user" | "assistant")) => r,
+            Some(other) => {
+                return Err(invalid(format!(
+                    "messages.{i}.role: {other:?} is not user or assistant (the system prompt goes in the top-level system field)"
+                )));
+            }
+            None => return Err(invalid(format!("messages.{i}.role: field required"))),
+        };
+        let content = m
+            .get("content")
+            .ok_or_else(|| invalid(format!("messages.{i}.content: field required")))?;
+        let text = text_of(content, &format!("messages.{i}.content"))?;
+        out.push(json!({"role": role, "content": text}));
+    }
+    // A trailing assistant message is a prefill: the answer continues it.
+    let prefill = out.last().is_some_and(|m| m["role"] == "assistant");
+    Ok(pb::Prompt {
+        input: Some(pb::prompt::Input::Chat(pb::Chat {
+            messages_json: Value::Array(out).to_string(),
+            tools_json: String::new(),
+            add_generation_prompt: !prefill,
+        })),
+    })
+}
+
+fn stop_reason(f: pb::FinishReason) -> &'static str {
+    match f {
+        pb::FinishReason::Length => "max_tokens",
+        _ => "end_turn",
+    }
+}
+
+fn usage_json(u: &pb::Usage) -> Value {
+    json!({
+        "input_tokens": u.prompt_tokens.saturating_sub(u.cached_tokens),
+        "output_tokens": u.completion_tokens,
+        "cache_read_input_tokens": u.cached_tokens,
+        "cache_creation_input_tokens": 0,
+    })
+}
+
+pub async fn messages(State(state): State<AppState>, body: Body) -> Result<Response, ApiError> {
+    let req: MessagesRequest = read_json(body, state.max_body_bytes, FLAVOR).await?;
+    let model = state
+        .registry
+        .resolve(&req.model)
+        .map_err(|e| e.flavor(FLAVOR))?;
+    if req.max_tokens == 0 {
+        return Err(invalid("max_tokens: must be at least 1"));
+    }
+    let prompt = chat_prompt(req.system.as_ref(), &req.messages, req.tools.as_ref())?;
+    let stop = req.stop_sequences.clone().unwrap_or_default();
+    let worker_req = pb::GenerateRequest {
+        request_id: String::new(),
+        prompt: Some(prompt),
+        max_tokens: req.max_tokens,
+        sampling: Some(pb::Sampling {
+            temperature: req.temperature.unwrap_or(1.0),
+            top_p: req.top_p.unwrap_or(1.0),
+            top_k: req.top_k.unwrap_or(0),
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: None,
+            logprobs: None,
+        }),
+        stop,
+        stop_token_ids: Vec::new(),
+        ignore_eos: false,
+    };
+    let stream = generation::start(&model, worker_req, state.request_timeout, FLAVOR).await?;
+    let id = response_id("msg_");
+    if req.stream {
+        return Ok(stream_events(stream, id, req.model));
+    }
+    let Collected { text, done, .. } = generation::collect(stream, FLAVOR).await?;
+    Ok(Json(json!({
+        "id": id,
+        "type": "message",
+        "role": "assistant",
+        "model": req.model,
+        "content": [{"type": "text", "text": text}],
+        "stop_reason": stop_reason(generation::finish(&done)),
+        "stop_sequence": null,
+        "usage": usage_json(&generation::usage(&done)),
+    }))
+    .into_response())
+}
+
+/// message_start, content_block_start, ping, content_block_delta…, content_block_stop,
+/// message_delta (stop reason and usage), message_stop; an error ends the stream with an
+/// `error` event.
+fn stream_events(
+    mut stream: tonic::Streaming<pb::GenerateEvent>,
+    id: String,
+    model: String,
+) -> Response {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(32);
+    tokio::spawn(async move {
+        let event =
+            |name: &str, data: Value| Ok(Event::default().event(name).data(data.to_string()));
+        // The worker's first event carries the prompt's size, which message_start reports.
+        let input_tokens = match stream.message().await {
+            Ok(Some(pb::GenerateEvent {
+                event: Some(generate_event::Event::Started(s)),
+            })) => s.prompt_tokens,
+            _ => 0,
+        };
+        let start = [
+            event(
+                "message_start",
+                json!({"type": "message_start", "message": {
+                    "id": id, "type": "message", "role": "assistant", "model": model, "content": [],
+                    "stop_reason": null, "stop_sequence": null,
+                    "usage": {"input_tokens": input_tokens, "output_tokens": 0},
+                }}),
+            ),
+            event(
+                "content_block_start",
+                json!({"type": "content_block_start", "index": 0,
+                "content_block": {"type": "text", "text": ""}}),
+            ),
+            event("ping", json!({"type": "ping"})),
+        ];
+        for e in start {
+            if tx.send(e).await.is_err() {
+                return;
+            }
+        }
+        loop {
+            let item = tokio::select! {
+                item = stream.message() => item,
+                // The client disconnected: dropping the stream cancels the generation.
+                _ = tx.closed() => return,
+            };
+            match item {
+                Ok(Some(ev)) => match ev.event {
+                    Some(generate_event::Event::Delta(d)) if !d.text.is_empty() => {
+                        let e = event(
+                            "content_block_delta",
+                            json!({"type": "content_block_delta", "index": 0,
+                            "delta": {"type": "text_delta", "text": d.text}}),
+                        );
+                        if tx.send(e).await.is_err() {
+                            return;
+                        }
+                    }
+                    Some(generate_event::Event::Done(done)) => {
+                        let u = generation::usage(&done);
+                        let end = [
+                            event(
+                                "content_block_stop",
+                                json!({"type": "content_block_stop", "index": 0}),
+                            ),
+                            event(
+                                "message_delta",
+                                json!({"type": "message_delta",
+                                "delta": {"stop_reason": stop_reason(generation::finish(&done)), "stop_sequence": null},
+                                "usage": usage_json(&u)}),
+                            ),
+                            event("message_stop", json!({"type": "message_stop"})),
+                        ];
+                        for e in end {
+                            if tx.send(e).await.is_err() {
+                                return;
+                            }
+                        }
+                        return;
+                    }
+                    _ => {}
+                },
+                Ok(None) => {
+                    let e = ApiError::new(
+                        ErrorKind::Overloaded,
+                        "the worker ended the generation without finishing it",
+                    )
+                    .flavor(FLAVOR);
+                    let _ = tx.send(event("error", e.body())).await;
+                    return;
+                }
+                Err(status) => {
+                    let e = from_worker_status(&status).flavor(FLAVOR);
+                    tracing::warn!(error = %e, "stream ended by an error");
+                    let _ = tx.send(event("error", e.body())).await;
+                    return;
+                }
+            }
+        }
+    });
+    Sse::new(ReceiverStream::new(rx))
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
+
+pub async fn count_tokens(State(state): State<AppState>, body: Body) -> Result<Response, ApiError> {
+    let req: CountTokensRequest = read_json(body, state.max_body_bytes, FLAVOR).await?;
+    let model = state
+        .registry
+        .resolve(&req.model)
+        .map_err(|e| e.flavor(FLAVOR))?;
+    let prompt = chat_prompt(req.system.as_ref(), &req.messages, req.tools.as_ref())?;
+    let counted = generation::count_tokens(&model, prompt, FLAVOR).await?;
+    Ok(Json(json!({"input_tokens": counted.count})).into_response())
+}

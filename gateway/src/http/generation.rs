@@ -1,0 +1,180 @@
+//! What both APIs share: reading a JSON body within limits, calling a worker's Generate with a
+//! deadline, and collecting a stream into one answer. Dropping a stream (the client went away)
+//! resets the gRPC stream, which cancels the generation in the worker.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use axum::body::Body;
+use serde::de::DeserializeOwned;
+use strata_proto::worker::{self as pb, generate_event};
+use tonic::Streaming;
+
+use super::error::{ApiError, ErrorKind, Flavor, from_worker_status};
+use crate::workers::ModelEntry;
+
+/// Reads a JSON body: 413 past `limit` bytes, 400 when it is not JSON.
+pub async fn read_value(
+    body: Body,
+    limit: usize,
+    flavor: Flavor,
+) -> Result<serde_json::Value, ApiError> {
+    read_json(body, limit, flavor).await
+}
+
+/// Parses a request (or one part of it) from a JSON value, naming the field at fault.
+pub fn from_value<T: DeserializeOwned>(
+    value: &serde_json::Value,
+    flavor: Flavor,
+) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        let mut err = if path == "." {
+            ApiError::invalid(format!("invalid request: {inner}"))
+        } else {
+            ApiError::invalid(format!("invalid value for {path}: {inner}")).param(path)
+        };
+        err.flavor = flavor;
+        err
+    })
+}
+
+/// Reads and parses a JSON body: 413 past `limit` bytes, 400 naming the field at fault.
+pub async fn read_json<T: DeserializeOwned>(
+    body: Body,
+    limit: usize,
+    flavor: Flavor,
+) -> Result<T, ApiError> {
+    let bytes = axum::body::to_bytes(body, limit).await.map_err(|_| {
+        ApiError::new(
+            ErrorKind::TooLarge,
+            format!("the request body is larger than {limit} bytes"),
+        )
+        .flavor(flavor)
+    })?;
+    if bytes.is_empty() {
+        return Err(ApiError::invalid("the request body is empty; expected JSON").flavor(flavor));
+    }
+    let de = &mut serde_json::Deserializer::from_slice(&bytes);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        let message = if inner.is_syntax() || inner.is_eof() {
+            format!("the request body is not valid JSON: {inner}")
+        } else if path == "." {
+            format!("invalid request: {inner}")
+        } else {
+            format!("invalid value for {path}: {inner}")
+        };
+        let mut err = ApiError::invalid(message).flavor(flavor);
+        if path != "." {
+            err = err.param(path);
+        }
+        err
+    })
+}
+
+/// A short unique id for responses (`chatcmpl-…`, `msg_…`).
+pub fn response_id(prefix: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    format!(
+        "{prefix}{:x}{:06x}{n:04x}",
+        t as u64,
+        std::process::id() & 0xff_ffff
+    )
+}
+
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Starts a generation; errors the worker finds before the first token (bad input, context
+/// exceeded, queue full) come back here, so the HTTP status can still say so.
+pub async fn start(
+    model: &ModelEntry,
+    request: pb::GenerateRequest,
+    timeout: Duration,
+    flavor: Flavor,
+) -> Result<Streaming<pb::GenerateEvent>, ApiError> {
+    let mut client = model.ready_client().map_err(|e| e.flavor(flavor))?;
+    let mut req = tonic::Request::new(request);
+    req.set_timeout(timeout);
+    client
+        .generate(req)
+        .await
+        .map(|r| r.into_inner())
+        .map_err(|s| from_worker_status(&s).flavor(flavor))
+}
+
+/// Counts tokens of a prompt as the model sees it.
+pub async fn count_tokens(
+    model: &ModelEntry,
+    prompt: pb::Prompt,
+    flavor: Flavor,
+) -> Result<pb::TokenizeResponse, ApiError> {
+    let mut client = model.ready_client().map_err(|e| e.flavor(flavor))?;
+    let mut req = tonic::Request::new(pb::TokenizeRequest {
+        prompt: Some(prompt),
+    });
+    req.set_timeout(Duration::from_secs(30));
+    client
+        .tokenize(req)
+        .await
+        .map(|r| r.into_inner())
+        .map_err(|s| from_worker_status(&s).flavor(flavor))
+}
+
+/// A whole generation, for non-streaming responses.
+#[derive(Default)]
+pub struct Collected {
+    pub text: String,
+    pub logprobs: Vec<pb::TokenLogprob>,
+    pub done: pb::GenerateDone,
+}
+
+pub async fn collect(
+    mut stream: Streaming<pb::GenerateEvent>,
+    flavor: Flavor,
+) -> Result<Collected, ApiError> {
+    let mut out = Collected::default();
+    loop {
+        match stream.message().await {
+            Ok(Some(event)) => match event.event {
+                Some(generate_event::Event::Delta(d)) => {
+                    out.text.push_str(&d.text);
+                    out.logprobs.extend(d.logprobs);
+                }
+                Some(generate_event::Event::Done(done)) => {
+                    out.done = done;
+                    return Ok(out);
+                }
+                Some(generate_event::Event::Started(_)) | None => {}
+            },
+            Ok(None) => {
+                return Err(ApiError::new(
+                    ErrorKind::Overloaded,
+                    "the worker ended the generation without finishing it",
+                )
+                .flavor(flavor));
+            }
+            Err(status) => return Err(from_worker_status(&status).flavor(flavor)),
+        }
+    }
+}
+
+pub fn usage(done: &pb::GenerateDone) -> pb::Usage {
+    done.usage.clone().unwrap_or_default()
+}
+
+pub fn finish(done: &pb::GenerateDone) -> pb::FinishReason {
+    pb::FinishReason::try_from(done.finish_reason).unwrap_or(pb::FinishReason::Unspecified)
+}

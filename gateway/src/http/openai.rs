@@ -1,0 +1,518 @@
+//! OpenAI's API: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions`,
+//! streaming (SSE ending with `data: [DONE]`) and not.
+
+use std::convert::Infallible;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Json, Response};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use strata_proto::worker::{self as pb, generate_event};
+use tokio_stream::wrappers::ReceiverStream;
+
+use super::AppState;
+use super::error::{ApiError, Flavor};
+use super::generation::{self, Collected, from_value, read_value, response_id, unix_now};
+
+const FLAVOR: Flavor = Flavor::OpenAi;
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Deserialize, Default)]
+pub struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+/// Fields both endpoints share. Unknown fields are accepted and ignored, as OpenAI's own SDKs
+/// add new ones over time.
+#[derive(Debug, Deserialize)]
+pub struct Common {
+    model: String,
+    max_tokens: Option<u32>,
+    max_completion_tokens: Option<u32>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    n: Option<u32>,
+    #[serde(default)]
+    stream: bool,
+    stream_options: Option<StreamOptions>,
+    stop: Option<Stop>,
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    seed: Option<u64>,
+    // Extensions several servers accept.
+    top_k: Option<u32>,
+    min_p: Option<f32>,
+    repetition_penalty: Option<f32>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatRequest {
+    messages: Vec<Value>,
+    logprobs: Option<bool>,
+    top_logprobs: Option<u32>,
+    tools: Option<Vec<Value>>,
+    response_format: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum PromptInput {
+    Text(String),
+    Texts(Vec<String>),
+    Ids(Vec<u32>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    prompt: PromptInput,
+    /// Completions API: number of top logprobs (0-5).
+    logprobs: Option<u32>,
+    echo: Option<bool>,
+    suffix: Option<String>,
+    best_of: Option<u32>,
+}
+
+impl Common {
+    /// Checks what the worker cannot (or should not have to), and builds its request.
+    fn to_worker(
+        &self,
+        prompt: pb::Prompt,
+        logprobs: Option<u32>,
+    ) -> Result<pb::GenerateRequest, ApiError> {
+        if self.model.is_empty() {
+            return Err(ApiError::invalid("model must not be empty").param("model"));
+        }
+        if let Some(n) = self.n
+            && n != 1
+        {
+            return Err(ApiError::invalid(format!(
+                "n={n} is not supported: this server returns one choice per request (send n=1 or leave it out)"
+            ))
+            .param("n"));
+        }
+        let max_tokens = self.max_completion_tokens.or(self.max_tokens);
+        if max_tokens == Some(0) {
+            return Err(ApiError::invalid("max_tokens must be at least 1").param("max_tokens"));
+        }
+        let stop = self
+            .stop
+            .as_ref()
+            .map(|s| match s {
+                Stop::One(s) => vec![s.clone()],
+                Stop::Many(v) => v.clone(),
+            })
+            .unwrap_or_default();
+        if stop.len() > 16 {
+            return Err(ApiError::invalid("at most 16 stop sequences").param("stop"));
+        }
+        Ok(pb::GenerateRequest {
+            request_id: String::new(),
+            prompt: Some(prompt),
+            // 0: as many as the context leaves room for.
+            max_tokens: max_tokens.unwrap_or(0),
+            sampling: Some(pb::Sampling {
+                temperature: self.temperature.unwrap_or(1.0),
+                top_p: self.top_p.unwrap_or(1.0),
+                top_k: self.top_k.unwrap_or(0),
+                min_p: self.min_p.unwrap_or(0.0),
+                repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+                presence_penalty: self.presence_penalty.unwrap_or(0.0),
+                frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+                seed: self.seed,
+                logprobs,
+            }),
+            stop,
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+        })
+    }
+}
+
+/// Chat messages as the template expects them: roles checked, content flattened to text.
+fn normalize_messages(messages: Vec<Value>) -> Result<Vec<Value>, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::invalid("messages must not be empty").param("messages"));
+    }
+    messages
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let param = format!("messages[{i}]");
+            let Value::Object(mut m) = m else {
+                return Err(ApiError::invalid(format!("{param} must be an object")).param(param));
+            };
+            let role = match m.get("role").and_then(Value::as_str) {
+                Some(r @ ("system" | "user" | "assistant" | "tool")) => r.to_string(),
+                // OpenAI's newer name for system instructions.
+                Some("developer") => "system".to_string(),
+                Some(other) => {
+                    return Err(ApiError::invalid(format!(
+                        "{param}.role {other:?} is not one of system, developer, user, assistant, tool"
+                    ))
+                    .param(format!("{param}.role")));
+                }
+                None => {
+                    return Err(ApiError::invalid(format!("{param}.role is missing"))
+                        .param(format!("{param}.role")));
+                }
+            };
+            let content = content_text(m.remove("content"), &param)?;
+            m.insert("role".into(), Value::String(role));
+            m.insert("content".into(), Value::String(content));
+            Ok(Value::Object(m))
+        })
+        .collect()
+}
+
+/// A message's content as text: a string, or the text parts of an array.
+fn content_text(content: Option<Value>, param: &str) -> Result<String, ApiError> {
+    match content {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for (j, part) in parts.iter().enumerate() {
+                match part.get("type").and_then(Value::as_str) {
+                    Some("text") => match part.get("text").and_then(Value::as_str) {
+                        Some(t) => text.push_str(t),
+                        None => {
+                            return Err(ApiError::invalid(format!(
+                                "{param}.content[{j}].text must be a string"
+                            )));
+                        }
+                    },
+                    Some(kind @ ("image_url" | "input_audio" | "file")) => {
+                        return Err(ApiError::invalid(format!(
+                            "{param}.content[{j}] is {kind}: this model reads text only"
+                        )));
+                    }
+                    _ => {
+                        return Err(ApiError::invalid(format!(
+                            "{param}.content[{j}] has an unknown type"
+                        )));
+                    }
+                }
+            }
+            Ok(text)
+        }
+        Some(_) => Err(ApiError::invalid(format!(
+            "{param}.content must be a string or an array of content parts"
+        ))),
+    }
+}
+
+fn finish_reason(f: pb::FinishReason) -> &'static str {
+    match f {
+        pb::FinishReason::Length => "length",
+        _ => "stop",
+    }
+}
+
+fn usage_json(u: &pb::Usage) -> Value {
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    })
+}
+
+fn chat_logprobs(lps: &[pb::TokenLogprob]) -> Value {
+    let entry = |token: &str, logprob: f32| json!({"token": token, "logprob": logprob, "bytes": token.as_bytes()});
+    json!({
+        "content": lps.iter().map(|l| {
+            let mut e = entry(&l.text, l.logprob);
+            e["top_logprobs"] = l.top.iter().map(|t| entry(&t.text, t.logprob)).collect();
+            e
+        }).collect::<Vec<_>>()
+    })
+}
+
+pub async fn models(State(state): State<AppState>) -> Json<Value> {
+    let created = state.started_unix;
+    let data: Vec<Value> = state
+        .registry
+        .models()
+        .iter()
+        .flat_map(|m| std::iter::once(&m.id).chain(&m.aliases))
+        .map(|id| json!({"id": id, "object": "model", "created": created, "owned_by": "strata"}))
+        .collect();
+    Json(json!({"object": "list", "data": data}))
+}
+
+pub async fn chat_completions(
+    State(state): State<AppState>,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let value = read_value(body, state.max_body_bytes, FLAVOR).await?;
+    let common: Common = from_value(&value, FLAVOR)?;
+    let req: ChatRequest = from_value(&value, FLAVOR)?;
+    let model = state.registry.resolve(&common.model)?;
+    if req.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+        return Err(ApiError::invalid(
+            "tools are not supported by this server yet; send the request without tools",
+        )
+        .param("tools"));
+    }
+    if let Some(format) = &req.response_format
+        && format.get("type").and_then(Value::as_str) != Some("text")
+    {
+        return Err(ApiError::invalid(
+            "response_format other than {\"type\": \"text\"} is not supported by this server yet",
+        )
+        .param("response_format"));
+    }
+    let messages = normalize_messages(req.messages)?;
+    let prompt = pb::Prompt {
+        input: Some(pb::prompt::Input::Chat(pb::Chat {
+            messages_json: Value::Array(messages).to_string(),
+            tools_json: String::new(),
+            add_generation_prompt: true,
+        })),
+    };
+    let logprobs = match (req.logprobs, req.top_logprobs) {
+        (Some(true), top) => Some(top.unwrap_or(0).min(20)),
+        (_, Some(_)) => {
+            return Err(
+                ApiError::invalid("top_logprobs needs logprobs: true").param("top_logprobs")
+            );
+        }
+        _ => None,
+    };
+    let worker_req = common.to_worker(prompt, logprobs)?;
+    let stream = generation::start(&model, worker_req, state.request_timeout, FLAVOR).await?;
+    let id = response_id("chatcmpl-");
+    let created = unix_now();
+    let model_name = common.model.clone();
+    if common.stream {
+        let include_usage = common.stream_options.is_some_and(|o| o.include_usage);
+        return Ok(sse(stream, move |part| match part {
+            Part::Start => vec![json!({
+                "id": id, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}],
+            })],
+            Part::Delta(d) => {
+                let lp = if d.logprobs.is_empty() {
+                    Value::Null
+                } else {
+                    chat_logprobs(&d.logprobs)
+                };
+                vec![json!({
+                    "id": id, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                    "choices": [{"index": 0, "delta": {"content": d.text}, "logprobs": lp, "finish_reason": null}],
+                })]
+            }
+            Part::Done(done) => {
+                let mut out = vec![json!({
+                    "id": id, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                    "choices": [{"index": 0, "delta": {}, "logprobs": null, "finish_reason": finish_reason(generation::finish(done))}],
+                })];
+                if include_usage {
+                    out.push(json!({
+                        "id": id, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                        "choices": [], "usage": usage_json(&generation::usage(done)),
+                    }));
+                }
+                out
+            }
+        }));
+    }
+    let Collected {
+        text,
+        logprobs: lps,
+        done,
+    } = generation::collect(stream, FLAVOR).await?;
+    let lp = if logprobs.is_some() {
+        chat_logprobs(&lps)
+    } else {
+        Value::Null
+    };
+    Ok(Json(json!({
+        "id": id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model_name,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": lp,
+            "finish_reason": finish_reason(generation::finish(&done)),
+        }],
+        "usage": usage_json(&generation::usage(&done)),
+    }))
+    .into_response())
+}
+
+pub async fn completions(State(state): State<AppState>, body: Body) -> Result<Response, ApiError> {
+    let value = read_value(body, state.max_body_bytes, FLAVOR).await?;
+    let common: Common = from_value(&value, FLAVOR)?;
+    let req: CompletionRequest = from_value(&value, FLAVOR)?;
+    let model = state.registry.resolve(&common.model)?;
+    if req.echo == Some(true) {
+        return Err(ApiError::invalid("echo is not supported").param("echo"));
+    }
+    if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+        return Err(
+            ApiError::invalid("suffix (fill-in-the-middle) is not supported").param("suffix"),
+        );
+    }
+    if req.best_of.is_some_and(|b| b != 1) {
+        return Err(ApiError::invalid("best_of must be 1").param("best_of"));
+    }
+    let input = match req.prompt {
+        PromptInput::Text(t) => pb::prompt::Input::Text(t),
+        PromptInput::Texts(mut v) if v.len() == 1 => pb::prompt::Input::Text(v.remove(0)),
+        PromptInput::Texts(v) => {
+            return Err(ApiError::invalid(format!(
+                "prompt has {} strings; send one prompt per request",
+                v.len()
+            ))
+            .param("prompt"));
+        }
+        PromptInput::Ids(ids) => pb::prompt::Input::TokenIds(pb::TokenIds { ids }),
+    };
+    if matches!(&input, pb::prompt::Input::Text(t) if t.is_empty()) {
+        return Err(ApiError::invalid("prompt must not be empty").param("prompt"));
+    }
+    let logprobs = req.logprobs.map(|n| n.min(5));
+    let worker_req = common.to_worker(pb::Prompt { input: Some(input) }, logprobs)?;
+    let stream = generation::start(&model, worker_req, state.request_timeout, FLAVOR).await?;
+    let id = response_id("cmpl-");
+    let created = unix_now();
+    let model_name = common.model.clone();
+    let completion_logprobs = |lps: &[pb::TokenLogprob]| {
+        json!({
+            "tokens": lps.iter().map(|l| l.text.clone()).collect::<Vec<_>>(),
+            "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+            "top_logprobs": lps.iter().map(|l| l.top.iter().map(|t| (t.text.clone(), json!(t.logprob))).collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
+        })
+    };
+    if common.stream {
+        let include_usage = common.stream_options.is_some_and(|o| o.include_usage);
+        return Ok(sse(stream, move |part| match part {
+            Part::Start => Vec::new(),
+            Part::Delta(d) => {
+                let lp = if d.logprobs.is_empty() {
+                    Value::Null
+                } else {
+                    completion_logprobs(&d.logprobs)
+                };
+                vec![json!({
+                    "id": id, "object": "text_completion", "created": created, "model": model_name,
+                    "choices": [{"index": 0, "text": d.text, "logprobs": lp, "finish_reason": null}],
+                })]
+            }
+            Part::Done(done) => {
+                let mut out = vec![json!({
+                    "id": id, "object": "text_completion", "created": created, "model": model_name,
+                    "choices": [{"index": 0, "text": "", "logprobs": null, "finish_reason": finish_reason(generation::finish(done))}],
+                })];
+                if include_usage {
+                    out.push(json!({
+                        "id": id, "object": "text_completion", "created": created, "model": model_name,
+                        "choices": [], "usage": usage_json(&generation::usage(done)),
+                    }));
+                }
+                out
+            }
+        }));
+    }
+    let Collected {
+        text,
+        logprobs: lps,
+        done,
+    } = generation::collect(stream, FLAVOR).await?;
+    let lp = if logprobs.is_some() {
+        completion_logprobs(&lps)
+    } else {
+        Value::Null
+    };
+    Ok(Json(json!({
+        "id": id,
+        "object": "text_completion",
+        "created": created,
+        "model": model_name,
+        "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason(generation::finish(&done))}],
+        "usage": usage_json(&generation::usage(&done)),
+    }))
+    .into_response())
+}
+
+/// What a stream produces, for the endpoint to turn into its chunks.
+pub enum Part<'a> {
+    Start,
+    Delta(&'a pb::TokenDelta),
+    Done(&'a pb::GenerateDone),
+}
+
+/// An OpenAI SSE response: the endpoint's chunks as `data:` lines, an error as a final
+/// `data: {"error": …}`, then `data: [DONE]`. The worker stream is read by a task that stops
+/// (dropping it, which cancels the generation) as soon as the client is gone.
+pub fn sse(
+    mut stream: tonic::Streaming<pb::GenerateEvent>,
+    mut chunks: impl FnMut(Part<'_>) -> Vec<Value> + Send + 'static,
+) -> Response {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(32);
+    tokio::spawn(async move {
+        let send = |v: &Value| Ok(Event::default().data(v.to_string()));
+        for c in chunks(Part::Start) {
+            if tx.send(send(&c)).await.is_err() {
+                return;
+            }
+        }
+        loop {
+            let item = tokio::select! {
+                item = stream.message() => item,
+                // The client disconnected: stop reading; dropping the stream cancels the work.
+                _ = tx.closed() => return,
+            };
+            let chunks_out = match item {
+                Ok(Some(event)) => match event.event {
+                    Some(generate_event::Event::Delta(d)) => chunks(Part::Delta(&d)),
+                    Some(generate_event::Event::Started(_)) => Vec::new(),
+                    Some(generate_event::Event::Done(done)) => {
+                        for c in chunks(Part::Done(&done)) {
+                            if tx.send(send(&c)).await.is_err() {
+                                return;
+                            }
+                        }
+                        break;
+                    }
+                    None => Vec::new(),
+                },
+                Ok(None) => {
+                    let e = ApiError::new(
+                        super::error::ErrorKind::Overloaded,
+                        "the worker ended the generation without finishing it",
+                    );
+                    let _ = tx.send(send(&e.body())).await;
+                    break;
+                }
+                Err(status) => {
+                    let e = super::error::from_worker_status(&status);
+                    tracing::warn!(error = %e, "stream ended by an error");
+                    let _ = tx.send(send(&e.body())).await;
+                    break;
+                }
+            };
+            for c in chunks_out {
+                if tx.send(send(&c)).await.is_err() {
+                    return;
+                }
+            }
+        }
+        let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
+    });
+    Sse::new(ReceiverStream::new(rx))
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
