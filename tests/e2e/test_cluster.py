@@ -38,7 +38,7 @@ def cluster(bin_dir, default_model, free_port, tmp_path):
     log = open(tmp_path / "strata.log", "wb")
     proc = subprocess.Popen(
         [bin_dir / "strata", "up", "--bind", f"127.0.0.1:{free_port}",
-         "--model", str(default_model), "--run-dir", str(run_dir),
+         "--model", str(default_model), "--model-id", "smollm2", "--run-dir", str(run_dir),
          "--kv-dir", str(tmp_path / "kv"), "--kv-ram", "64MiB", "--kv-disk", "256MiB"],
         stdout=log, stderr=subprocess.STDOUT,
     )
@@ -60,8 +60,8 @@ def test_up_serves_health_restarts_a_killed_worker_and_stops_on_sigterm(cluster)
     body = wait_for(lambda: ready(port), 60, "all children ready")
     assert body["status"] == "ok"
     by_name = {c["name"]: c for c in body["children"]}
-    assert set(by_name) == {"kvcache", "worker-0"}
-    worker = by_name["worker-0"]
+    assert set(by_name) == {"kvcache", "worker-smollm2"}
+    worker = by_name["worker-smollm2"]
     # The worker answered its gRPC health with the MLX library it really loaded.
     assert "mlx 0.32.2 on cpu" in worker["detail"], worker
     for name in ("kvcache.sock", "worker-0.sock"):
@@ -74,7 +74,7 @@ def test_up_serves_health_restarts_a_killed_worker_and_stops_on_sigterm(cluster)
         status, b = get_health(port)
         if status != 200:
             return None
-        w = {c["name"]: c for c in b["children"]}["worker-0"]
+        w = {c["name"]: c for c in b["children"]}["worker-smollm2"]
         return w if w["restarts"] >= 1 and w["pid"] != worker["pid"] else None
     again = wait_for(restarted, 60, "worker restarted")
     assert "exited" in again["last_error"]
@@ -116,7 +116,7 @@ def test_workers_do_not_outlive_a_killed_gateway(cluster):
     proc, port, _ = cluster
     body = wait_for(lambda: ready(port), 60, "all children ready")
     children = {c["name"]: c for c in body["children"]}
-    worker_pid, kvcache_pid = children["worker-0"]["pid"], children["kvcache"]["pid"]
+    worker_pid, kvcache_pid = children["worker-smollm2"]["pid"], children["kvcache"]["pid"]
     proc.kill()  # SIGKILL: the gateway gets no chance to stop anything
     proc.wait()
     # The cache service outlives gateway restarts by design; this test stops it itself.

@@ -172,7 +172,7 @@ pub async fn collect(
 }
 
 pub fn usage(done: &pb::GenerateDone) -> pb::Usage {
-    done.usage.clone().unwrap_or_default()
+    done.usage.unwrap_or_default()
 }
 
 pub fn finish(done: &pb::GenerateDone) -> pb::FinishReason {
