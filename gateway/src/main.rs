@@ -6,7 +6,6 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -40,6 +39,29 @@ enum Command {
     /// Restart one worker (by worker name or model id).
     Restart {
         worker: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Start a configured model's worker.
+    Load {
+        model: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Stop a model's worker (refused while it is pinned).
+    Unload {
+        model: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Keep a model loaded.
+    Pin {
+        model: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    Unpin {
+        model: String,
         #[command(flatten)]
         client: ClientArgs,
     },
@@ -123,6 +145,14 @@ fn main() -> anyhow::Result<()> {
             &format!("/admin/api/workers/{worker}/restart"),
             serde_json::json!({}),
         )),
+        Command::Load { model, client } => runtime.block_on(model_action(&client, &model, "load")),
+        Command::Unload { model, client } => {
+            runtime.block_on(model_action(&client, &model, "unload"))
+        }
+        Command::Pin { model, client } => runtime.block_on(model_action(&client, &model, "pin")),
+        Command::Unpin { model, client } => {
+            runtime.block_on(model_action(&client, &model, "unpin"))
+        }
         Command::Cache { action } => match action {
             CacheAction::Stats(c) => {
                 runtime.block_on(client_get(&c, "/admin/api/cache/stats", true))
@@ -177,6 +207,15 @@ async fn client_post(c: &ClientArgs, path: &str, body: serde_json::Value) -> any
         req.send()
             .await
             .with_context(|| format!("reach the gateway at {}", c.url))?,
+    )
+    .await
+}
+
+async fn model_action(c: &ClientArgs, model: &str, action: &str) -> anyhow::Result<()> {
+    client_post(
+        c,
+        &format!("/admin/api/models/{model}/{action}"),
+        serde_json::json!({}),
     )
     .await
 }
@@ -316,16 +355,21 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         ],
         socket: kvcache_socket.clone(),
     };
-    let mut specs = Vec::new();
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
     // launchd or systemd may run the cache service: use it when it answers.
-    match supervisor::probe(&kvcache_spec).await {
+    let kvcache = match supervisor::probe(&kvcache_spec).await {
         Ok(detail) => {
-            tracing::info!(socket = %kvcache_socket.display(), %detail, "using the cache service already running")
+            tracing::info!(socket = %kvcache_socket.display(), %detail, "using the cache service already running");
+            None
         }
-        Err(_) => specs.push(kvcache_spec),
-    }
+        Err(_) => Some(supervisor::supervise(
+            kvcache_spec,
+            Backoff::default(),
+            shutdown_rx.clone(),
+        )),
+    };
     let worker_program = sibling_binary(&bin_dir, "strata-worker")?;
-    let mut model_children = Vec::new();
+    let mut models = Vec::new();
     for (i, m) in config.models.iter().enumerate() {
         anyhow::ensure!(
             m.kind == ModelKind::Llm,
@@ -334,9 +378,8 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             m.kind
         );
         let socket = run_dir.join(format!("worker-{i}.sock"));
-        let name = format!("worker-{}", m.id);
-        specs.push(ChildSpec {
-            name: name.clone(),
+        let spec = ChildSpec {
+            name: format!("worker-{}", m.id),
             kind: ChildKind::Worker,
             program: worker_program.clone(),
             args: vec![
@@ -349,38 +392,21 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
                 m.id.clone(),
             ],
             socket,
-        });
-        model_children.push((name, m.clone()));
+        };
+        models.push(ModelEntry::new(
+            m.id.clone(),
+            m.aliases.clone(),
+            m.kind,
+            m.pinned,
+            m.path.clone(),
+            spec,
+        ));
     }
-
-    let (shutdown_tx, shutdown_rx) = watch::channel(false);
-    let mut children = Vec::new();
-    let mut tasks = Vec::new();
-    let mut controls = HashMap::new();
-    let mut states = HashMap::new();
-    for spec in specs {
-        let name = spec.name.clone();
-        let supervised = supervisor::supervise(spec, Backoff::default(), shutdown_rx.clone());
-        children.push(supervised.state.clone());
-        states.insert(name.clone(), supervised.state);
-        controls.insert(name, supervised.control);
-        tasks.push(supervised.task);
+    let registry = Registry::new(models);
+    // Every configured model starts loaded.
+    for m in registry.models() {
+        m.load();
     }
-    let registry = Registry::new(
-        model_children
-            .into_iter()
-            .filter_map(|(name, m)| {
-                let state = states.get(&name)?.clone();
-                let socket = run_dir.join(format!(
-                    "worker-{}.sock",
-                    config.models.iter().position(|c| c.id == m.id)?
-                ));
-                Some(ModelEntry::new(
-                    m.id, m.aliases, m.kind, m.pinned, m.path, socket, state,
-                ))
-            })
-            .collect(),
-    );
 
     let listener = tokio::net::TcpListener::bind(config.bind)
         .await
@@ -389,13 +415,20 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         "listening on http://{} (OpenAI and Anthropic APIs under /v1; health: /health)",
         config.bind
     );
+    let mut progress: Vec<watch::Receiver<ChildState>> =
+        kvcache.iter().map(|k| k.state.clone()).collect();
+    progress.extend(registry.models().iter().filter_map(|m| m.state_watch()));
+    let (kvcache_state, kvcache_control, kvcache_task) = match kvcache {
+        Some(k) => (Some(k.state), Some(k.control), Some(k.task)),
+        None => (None, None, None),
+    };
     let app = http::router(AppState {
-        children: children.clone(),
-        registry,
+        kvcache: kvcache_state,
+        registry: registry.clone(),
         api_keys: Arc::new(config.api_keys.clone()),
         admin: AdminState {
             token: Arc::new(admin_token),
-            controls: Arc::new(controls),
+            kvcache_control,
             kvcache_socket,
         },
         request_timeout: Duration::from_secs(config.request_timeout_secs),
@@ -413,12 +446,14 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         })
         .await
     });
-    tokio::spawn(report_progress(children));
+    tokio::spawn(report_progress(progress));
 
     let signal = strata_runtime::shutdown::signal_received().await;
     tracing::info!(signal, "shutting down");
     let _ = shutdown_tx.send(true);
-    for task in tasks {
+    // Workers first (they may still store blocks), then the cache service.
+    registry.unload_all().await;
+    if let Some(task) = kvcache_task {
         let _ = task.await;
     }
     // Open streams would hold the HTTP server forever: give them a moment, then go.

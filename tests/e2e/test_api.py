@@ -384,3 +384,39 @@ def test_admin_api_and_cli_restart_a_worker_and_show_cache_stats(cluster, bin_di
                          capture_output=True, text=True, env=env, timeout=30)
     assert out.returncode == 0, out.stderr
     assert len(json.loads(out.stdout)["namespace"]) == 64  # the model's fingerprint
+
+
+def test_models_load_unload_pin_and_unpin_act_on_the_worker_process(cluster, bin_dir, oai):
+    env = {**os.environ, "STRATA_URL": cluster.url, "STRATA_RUN_DIR": str(cluster.run_dir)}
+
+    def cli(*args):
+        return subprocess.run([bin_dir / "strata", *args], capture_output=True, text=True,
+                              env=env, timeout=60)
+
+    pid = cluster.worker()["pid"]
+    out = cli("pin", MODEL)
+    assert out.returncode == 0 and json.loads(out.stdout)["pinned"] is True, out
+    out = cli("unload", MODEL)
+    assert out.returncode != 0 and "pinned" in out.stdout, out
+    os.kill(pid, 0)  # still running
+
+    assert cli("unpin", MODEL).returncode == 0
+    out = cli("unload", MODEL)
+    assert out.returncode == 0 and json.loads(out.stdout)["loaded"] is False, out
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    with pytest.raises(openai.InternalServerError) as e:  # 503, with Retry-After
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                    max_tokens=2)
+    assert "not loaded" in e.value.body["message"]
+    assert e.value.response.headers["retry-after"] == "2"
+    workers = json.loads(cli("workers").stdout)["workers"]
+    assert {w["name"]: w for w in workers}[f"worker-{MODEL}"]["phase"] == "unloaded"
+
+    out = cli("load", MODEL)
+    assert out.returncode == 0 and json.loads(out.stdout)["loaded"] is True, out
+    cluster.wait_ready()
+    assert cluster.worker()["pid"] != pid
+    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                    max_tokens=8, temperature=0)
+    assert r.choices[0].message.content

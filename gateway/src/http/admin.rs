@@ -1,7 +1,6 @@
 //! The admin API (`/admin/api/…`): worker states and restarts, cache statistics and clearing.
 //! It needs the admin token (`Authorization: Bearer TOKEN`) and answers only loopback clients.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -24,8 +23,8 @@ use crate::supervisor::Control;
 #[derive(Clone)]
 pub struct AdminState {
     pub token: Arc<String>,
-    /// Restart handles by child name.
-    pub controls: Arc<HashMap<String, mpsc::Sender<Control>>>,
+    /// Restarts the cache service, when this gateway supervises it.
+    pub kvcache_control: Option<mpsc::Sender<Control>>,
     pub kvcache_socket: PathBuf,
 }
 
@@ -33,6 +32,7 @@ pub fn router(state: AppState) -> Router<AppState> {
     Router::new()
         .route("/admin/api/workers", get(workers))
         .route("/admin/api/workers/{name}/restart", post(restart))
+        .route("/admin/api/models/{id}/{action}", post(model_action))
         .route("/admin/api/cache/stats", get(cache_stats))
         .route("/admin/api/cache/clear", post(cache_clear))
         .route_layer(middleware::from_fn_with_state(state, require_admin))
@@ -64,53 +64,108 @@ async fn require_admin(State(state): State<AppState>, req: Request, next: Next) 
 }
 
 async fn workers(State(state): State<AppState>) -> Json<Value> {
-    let models: HashMap<String, Value> = state
-        .registry
-        .models()
+    let mut out: Vec<Value> = state
+        .kvcache
         .iter()
-        .map(|m| {
-            (
-                m.state.borrow().name.clone(),
-                json!({"model": m.id, "aliases": m.aliases, "kind": m.kind, "pinned": m.pinned, "path": m.path}),
-            )
-        })
+        .map(|k| serde_json::to_value(&*k.borrow()).unwrap_or(Value::Null))
         .collect();
-    let children: Vec<Value> = state
-        .children
-        .iter()
-        .map(|c| {
-            let c = c.borrow().clone();
-            let mut v = serde_json::to_value(&c).unwrap_or(Value::Null);
-            if let Some(m) = models.get(&c.name) {
-                v["model"] = m.clone();
-            }
-            v
-        })
-        .collect();
-    Json(json!({"workers": children}))
+    for m in state.registry.models() {
+        let mut v = match m.state() {
+            Some(s) => serde_json::to_value(&s).unwrap_or(Value::Null),
+            None => json!({"name": m.worker_name(), "kind": "worker", "phase": "unloaded"}),
+        };
+        v["loaded"] = json!(m.state().is_some());
+        v["model"] = json!({"model": m.id, "aliases": m.aliases, "kind": m.kind,
+                            "pinned": m.pinned(), "path": m.path});
+        out.push(v);
+    }
+    Json(json!({"workers": out}))
 }
 
 async fn restart(
     State(state): State<AppState>,
     Path(name): Path<String>,
 ) -> Result<Response, ApiError> {
-    // A model id names its worker too.
-    let child = state
-        .registry
-        .models()
-        .iter()
-        .find(|m| m.id == name)
-        .map(|m| m.state.borrow().name.clone())
-        .unwrap_or(name);
-    let control =
-        state.admin.controls.get(&child).ok_or_else(|| {
-            ApiError::new(ErrorKind::NotFound, format!("no worker named {child:?}"))
-        })?;
+    // A worker name or a model id; "kvcache" for the cache service when it is ours.
+    let (target, control) = match state.registry.find(&name) {
+        Some(m) => (
+            m.worker_name().to_string(),
+            m.control().ok_or_else(|| {
+                ApiError::new(
+                    ErrorKind::InvalidRequest,
+                    format!("model {} is not loaded", m.id),
+                )
+            })?,
+        ),
+        None if name == "kvcache" => (
+            name.clone(),
+            state.admin.kvcache_control.clone().ok_or_else(|| {
+                ApiError::invalid(
+                    "the cache service is run by the system (launchd/systemd), not by this gateway",
+                )
+            })?,
+        ),
+        None => {
+            return Err(ApiError::new(
+                ErrorKind::NotFound,
+                format!("no worker named {name:?}"),
+            ));
+        }
+    };
     control
         .send(Control::Restart)
         .await
         .map_err(|_| ApiError::new(ErrorKind::Overloaded, "the gateway is shutting down"))?;
-    Ok(Json(json!({"restarting": child})).into_response())
+    Ok(Json(json!({"restarting": target})).into_response())
+}
+
+/// load | unload | pin | unpin, acting on the model's worker process.
+async fn model_action(
+    State(state): State<AppState>,
+    Path((id, action)): Path<(String, String)>,
+) -> Result<Response, ApiError> {
+    let model = state.registry.find(&id).ok_or_else(|| {
+        ApiError::new(
+            ErrorKind::NotFound,
+            format!("no model {id:?} is configured"),
+        )
+    })?;
+    let changed = match action.as_str() {
+        "load" => model.load(),
+        "unload" => {
+            if model.pinned() {
+                return Err(ApiError::new(
+                    ErrorKind::InvalidRequest,
+                    format!("model {id} is pinned; unpin it before unloading"),
+                ));
+            }
+            model.unload().await
+        }
+        "pin" => {
+            let was = model.pinned();
+            model.set_pinned(true);
+            !was
+        }
+        "unpin" => {
+            let was = model.pinned();
+            model.set_pinned(false);
+            was
+        }
+        other => {
+            return Err(ApiError::new(
+                ErrorKind::NotFound,
+                format!("unknown action {other:?} (load, unload, pin, unpin)"),
+            ));
+        }
+    };
+    Ok(Json(json!({
+        "model": model.id,
+        "action": action,
+        "changed": changed,
+        "loaded": model.state().is_some(),
+        "pinned": model.pinned(),
+    }))
+    .into_response())
 }
 
 fn kv_client(state: &AppState) -> KvCacheClient<tonic::transport::Channel> {

@@ -26,7 +26,8 @@ use error::{ApiError, ErrorKind, Flavor};
 /// Shared, cheap-to-clone handles the HTTP handlers read.
 #[derive(Clone)]
 pub struct AppState {
-    pub children: Vec<watch::Receiver<ChildState>>,
+    /// The cache service, when this gateway supervises it (None: launchd/systemd owns it).
+    pub kvcache: Option<watch::Receiver<ChildState>>,
     pub registry: Registry,
     /// Keys accepted on /v1; empty means open.
     pub api_keys: Arc<Vec<String>>,
@@ -119,8 +120,18 @@ struct HealthBody {
     children: Vec<ChildState>,
 }
 
+/// Every supervised child: the cache service (if ours) and the loaded models' workers.
+pub fn children(state: &AppState) -> Vec<ChildState> {
+    state
+        .kvcache
+        .iter()
+        .map(|k| k.borrow().clone())
+        .chain(state.registry.models().iter().filter_map(|m| m.state()))
+        .collect()
+}
+
 async fn health(State(state): State<AppState>) -> impl IntoResponse {
-    let children: Vec<ChildState> = state.children.iter().map(|c| c.borrow().clone()).collect();
+    let children = children(&state);
     let all_ready = children.iter().all(|c| c.phase == Phase::Ready);
     let code = if all_ready {
         StatusCode::OK
