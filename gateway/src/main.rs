@@ -302,6 +302,10 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         }];
     }
     config.validate()?;
+    if let Some(endpoint) = &config.otlp_endpoint {
+        // Said loudly: a configured feature that is not applied must never look applied.
+        tracing::warn!(%endpoint, "otlp_endpoint is configured but trace export is not implemented yet; no traces will be sent");
+    }
     let run_dir = args
         .run_dir
         .clone()
