@@ -394,6 +394,8 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
                 m.path.display().to_string(),
                 "--model-id".into(),
                 m.id.clone(),
+                "--kvcache-socket".into(),
+                kvcache_socket.display().to_string(),
             ],
             socket,
         };

@@ -4,6 +4,7 @@ pub mod blas_env;
 pub mod engine;
 pub mod grpc;
 pub mod mlx_device;
+pub mod prefix_cache;
 pub mod scheduler;
 pub mod template;
 pub mod tokenizer;

@@ -11,6 +11,7 @@ use strata_worker::engine::generate::{EngineOptions, GenerateRequest};
 use strata_worker::engine::loader::{self, LoadedModel};
 use strata_worker::engine::sample::SamplingParams;
 use strata_worker::grpc::{ModelInfo, Serving, WorkerService};
+use strata_worker::prefix_cache::PrefixCache;
 use strata_worker::scheduler::Scheduler;
 use strata_worker::template::ChatMessage;
 use strata_worker::{blas_env, mlx_device};
@@ -50,6 +51,10 @@ enum Command {
         /// Requests that may wait for the engine; more are refused (the gateway answers 429).
         #[arg(long, default_value_t = 64)]
         queue: usize,
+        /// The cache service's socket: prompts' KV blocks are looked up there and stored there.
+        /// Without it, nothing is cached.
+        #[arg(long)]
+        kvcache_socket: Option<PathBuf>,
     },
     /// Print which MLX library and device this process gets, then exit.
     Probe,
@@ -287,6 +292,7 @@ fn main() -> anyhow::Result<()> {
             block_tokens,
             prefill_chunk_tokens,
             queue,
+            kvcache_socket,
         } => {
             let serving = match &model {
                 Some(path) => {
@@ -307,6 +313,18 @@ fn main() -> anyhow::Result<()> {
                 ..info
             };
             let runtime = tokio::runtime::Runtime::new().context("start the tokio runtime")?;
+            let serving = serving.map(|mut s| {
+                if let Some(sock) = &kvcache_socket {
+                    let _guard = runtime.enter();
+                    s.prefix_cache = Some(PrefixCache::new(
+                        sock,
+                        &s.info.fingerprint,
+                        s.info.block_tokens as usize,
+                        s.kv_layout,
+                    ));
+                }
+                s
+            });
             runtime.block_on(serve(socket, info, serving))
         }
     }
@@ -350,8 +368,10 @@ fn serving(id: String, loaded: LoadedModel, options: EngineOptions, queue: usize
         info,
         tokenizer,
         template,
+        kv_layout: loaded.model.kv_layout(),
         scheduler: Scheduler::start(loaded, options, queue),
         context_length,
+        prefix_cache: None,
     }
 }
 

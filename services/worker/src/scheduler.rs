@@ -13,8 +13,9 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 use crate::engine::EngineError;
-use crate::engine::generate::{EngineOptions, GenerateRequest, Generation, TokenEvent};
+use crate::engine::generate::{EngineOptions, GenerateRequest, Generation, Prefix, TokenEvent};
 use crate::engine::loader::LoadedModel;
+use crate::prefix_cache::Prepared;
 
 /// Token events buffered per job before the engine waits for the reader.
 const EVENTS_PER_JOB: usize = 64;
@@ -30,6 +31,7 @@ pub enum JobEvent {
 
 struct Job {
     request: GenerateRequest,
+    prefix: Option<Prepared>,
     events: mpsc::Sender<JobEvent>,
     enqueued: Instant,
 }
@@ -87,10 +89,12 @@ impl Scheduler {
     pub fn submit(
         &self,
         request: GenerateRequest,
+        prefix: Option<Prepared>,
     ) -> Result<mpsc::Receiver<JobEvent>, SubmitError> {
         let (events, rx) = mpsc::channel(EVENTS_PER_JOB);
         let job = Job {
             request,
+            prefix,
             events,
             enqueued: Instant::now(),
         };
@@ -116,7 +120,18 @@ fn run(model: &LoadedModel, options: &EngineOptions, job: Job, c: &Counters) {
     }
     c.requests.fetch_add(1, Ordering::Relaxed);
     c.running.fetch_add(1, Ordering::Relaxed);
-    let result = model.generate(&job.request, options, |event| {
+    let (cached_blocks, mut sink) = match job.prefix {
+        Some(p) => (p.cached, Some(p.sink)),
+        None => (Vec::new(), None),
+    };
+    let cached: Vec<&[u8]> = cached_blocks.iter().map(|b| b.as_ref()).collect();
+    let engine_prefix = Prefix {
+        cached: &cached,
+        on_block: sink
+            .as_mut()
+            .map(|s| &mut **s as &mut (dyn FnMut(usize, Vec<u8>) + Send)),
+    };
+    let result = model.generate_with_prefix(&job.request, options, engine_prefix, |event| {
         job.events
             .blocking_send(JobEvent::Token(event.clone()))
             .is_ok()

@@ -76,6 +76,17 @@ pub struct Generation {
     pub timings: Timings,
     /// Log-probabilities of each generated token, when asked for.
     pub logprobs: Vec<Sampled>,
+    /// Prompt tokens whose KV was imported instead of computed.
+    pub cached_tokens: usize,
+}
+
+/// KV blocks a cache holds for the prompt's leading full blocks, and where the blocks this
+/// prefill completes go (index of the block in the prompt, its bytes in `KvCache::export`'s
+/// layout).
+#[derive(Default)]
+pub struct Prefix<'a> {
+    pub cached: &'a [&'a [u8]],
+    pub on_block: Option<&'a mut (dyn FnMut(usize, Vec<u8>) + Send)>,
 }
 
 /// Options of the engine itself (not of one request).
@@ -174,12 +185,51 @@ impl LoadedModel {
         &self,
         req: &GenerateRequest,
         options: &EngineOptions,
+        on_token: impl FnMut(&TokenEvent) -> bool,
+    ) -> Result<Generation> {
+        self.generate_with_prefix(req, options, Prefix::default(), on_token)
+    }
+
+    /// `generate`, starting from cached KV blocks for the prompt's leading full blocks and
+    /// handing every block the prefill completes to `prefix.on_block`. Prefill chunks end on
+    /// the same absolute positions with or without cached blocks, so the output is identical.
+    pub fn generate_with_prefix(
+        &self,
+        req: &GenerateRequest,
+        options: &EngineOptions,
+        prefix: Prefix<'_>,
         mut on_token: impl FnMut(&TokenEvent) -> bool,
     ) -> Result<Generation> {
         self.validate(req)?;
         let started = Instant::now();
+        let b = self.block_tokens;
         let mut cache = self.model.new_cache(options.kv_step_tokens);
-        let mut logits = self.prefill(&mut cache, &req.prompt, options, |_| Ok(()))?;
+        // At least one prompt token is always computed: its logits give the first token.
+        let reusable = (req.prompt.len() - 1) / b;
+        let mut cached_blocks = 0;
+        for bytes in prefix.cached.iter().take(reusable) {
+            if let Err(e) = cache.import(bytes, b) {
+                tracing::warn!(error = %e, "a cached block does not fit this model; computing the prompt");
+                cache = self.model.new_cache(options.kv_step_tokens);
+                cached_blocks = 0;
+                break;
+            }
+            cached_blocks += 1;
+        }
+        let cached_tokens = cached_blocks * b;
+        let mut on_block = prefix.on_block;
+        let mut stored = cached_blocks;
+        let prompt_blocks = req.prompt.len() / b;
+        let mut logits = self.prefill(&mut cache, &req.prompt[cached_tokens..], options, |c| {
+            if let Some(sink) = on_block.as_mut() {
+                let done = (c.len() / b).min(prompt_blocks);
+                while stored < done {
+                    sink(stored, c.export(stored * b, (stored + 1) * b)?);
+                    stored += 1;
+                }
+            }
+            Ok(())
+        })?;
         let prefill = started.elapsed();
 
         let mut sampler = Sampler::new(req.sampling.clone(), &req.prompt);
@@ -261,6 +311,7 @@ impl LoadedModel {
                 time_to_first_token: ttft.unwrap_or(total),
             },
             logprobs,
+            cached_tokens,
         })
     }
 }

@@ -15,6 +15,7 @@ use tonic::{Request, Response, Status};
 use crate::engine::EngineError;
 use crate::engine::generate::{FinishReason, GenerateRequest};
 use crate::engine::sample::{Sampled, SamplingParams};
+use crate::prefix_cache::PrefixCache;
 use crate::scheduler::{JobEvent, Scheduler, SubmitError};
 use crate::template::{ChatMessage, ChatTemplate};
 use crate::tokenizer::Tokenizer;
@@ -34,8 +35,11 @@ pub struct Serving {
     pub tokenizer: Arc<Tokenizer>,
     pub template: Arc<ChatTemplate>,
     pub scheduler: Scheduler,
+    /// The cache service, when the worker was given its socket.
+    pub prefix_cache: Option<PrefixCache>,
     /// Largest prompt + max_tokens accepted (the model's context).
     pub context_length: usize,
+    pub kv_layout: crate::engine::kv::KvLayout,
 }
 
 pub struct WorkerService {
@@ -252,10 +256,17 @@ impl Worker for WorkerService {
         };
         // Refuse what the engine would refuse before queueing it.
         validate(&serving, &request)?;
-        let mut events = serving.scheduler.submit(request).map_err(|e| match e {
-            SubmitError::Busy(_) => Status::resource_exhausted(e.to_string()),
-            SubmitError::Stopped => Status::unavailable(e.to_string()),
-        })?;
+        let prepared = match &serving.prefix_cache {
+            Some(pc) => Some(pc.prepare(&request.prompt).await),
+            None => None,
+        };
+        let mut events = serving
+            .scheduler
+            .submit(request, prepared)
+            .map_err(|e| match e {
+                SubmitError::Busy(_) => Status::resource_exhausted(e.to_string()),
+                SubmitError::Stopped => Status::unavailable(e.to_string()),
+            })?;
         let (tx, rx) = tokio::sync::mpsc::channel(16);
         let started = GenerateEvent {
             event: Some(generate_event::Event::Started(pb::GenerateStarted {
@@ -288,7 +299,7 @@ impl Worker for WorkerService {
                                 usage: Some(pb::Usage {
                                     prompt_tokens: g.prompt_tokens as u32,
                                     completion_tokens: g.tokens.len() as u32,
-                                    cached_tokens: 0,
+                                    cached_tokens: g.cached_tokens as u32,
                                 }),
                                 timings: Some(pb::Timings {
                                     queue_ms: queued.as_secs_f64() * 1e3,

@@ -1,0 +1,116 @@
+"""Prefix caching through the real processes: a long prompt's blocks are stored by the worker in
+the cache service and reused by the next request with the same prefix (RAM tier), again after
+the cache service is killed and restarted (disk tier), and the greedy tokens are identical to
+the cold run's every time. A cache service that hangs costs a bounded wait, never a failed
+request; a corrupted block file is never used."""
+import os
+import pathlib
+import signal
+import socket
+import time
+
+import openai
+import pytest
+
+from test_api import MODEL, start_cluster, stop_cluster
+
+BLOCK = 256
+SYSTEM = " ".join(f"Rule {i}: always answer politely and mention the number {i}." for i in range(60))
+
+
+@pytest.fixture(scope="module")
+def cluster(bin_dir, default_model, tmp_path_factory):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    c = start_cluster(bin_dir, default_model, port, tmp_path_factory.mktemp("prefix"))
+    yield c
+    stop_cluster(c)
+
+
+def ask(cluster, question="What is the capital of France?"):
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="x", max_retries=0)
+    r = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=16, logprobs=True,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
+    tokens = [t.token for t in r.choices[0].logprobs.content]
+    return tokens, r.usage
+
+
+def kvcache_pid(cluster):
+    return {c["name"]: c for c in cluster.health()[1]["children"]}["kvcache"]["pid"]
+
+
+def wait_kvcache_back(cluster, old_pid):
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        status, body = cluster.health()
+        k = {c["name"]: c for c in (body or {}).get("children", [])}.get("kvcache")
+        if status == 200 and k and k["pid"] != old_pid:
+            return
+        time.sleep(0.1)
+    pytest.fail("cache service not restarted:\n" + cluster.log())
+
+
+def wait_stored(cluster, blocks):
+    """The worker stores blocks behind the answer: wait until the service has them on disk."""
+    kv = pathlib.Path(cluster.run_dir).parent / "kv" / "blocks"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if len(list(kv.glob("*/*.blk"))) >= blocks:
+            return sorted(kv.glob("*/*.blk"))
+        time.sleep(0.1)
+    pytest.fail(f"fewer than {blocks} block files in {kv}")
+
+
+def test_a_repeated_prefix_is_reused_from_ram_and_disk_with_identical_tokens(cluster):
+    cold, usage = ask(cluster)
+    assert usage.prompt_tokens > 3 * BLOCK, usage
+    assert usage.prompt_tokens_details.cached_tokens == 0
+    full_blocks = (usage.prompt_tokens - 1) // BLOCK
+    wait_stored(cluster, usage.prompt_tokens // BLOCK)
+
+    warm, usage = ask(cluster)
+    assert usage.prompt_tokens_details.cached_tokens == full_blocks * BLOCK
+    assert warm == cold
+
+    # kill -9 the cache service: the gateway restarts it, and the blocks come back from disk.
+    pid = kvcache_pid(cluster)
+    os.kill(pid, signal.SIGKILL)
+    wait_kvcache_back(cluster, pid)
+    from_disk, usage = ask(cluster)
+    assert usage.prompt_tokens_details.cached_tokens == full_blocks * BLOCK
+    assert from_disk == cold
+
+
+def test_a_hung_cache_service_costs_a_bounded_wait_not_a_failure(cluster):
+    cold, _ = ask(cluster, "Name a large ocean.")
+    pid = kvcache_pid(cluster)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        tokens, usage = ask(cluster, "Name a large ocean.")
+        waited = time.monotonic() - started
+        print(f"answered in {waited:.1f} s with the cache service stopped")
+        assert usage.prompt_tokens_details.cached_tokens == 0
+        assert tokens == cold
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass  # the supervisor already replaced it
+
+
+def test_a_corrupted_block_file_is_never_used(cluster):
+    question = "Which planet is the largest?"
+    cold, usage = ask(cluster, question)
+    files = wait_stored(cluster, usage.prompt_tokens // BLOCK)
+    # Flip a byte in the payload of every block file: any of them may be this prompt's.
+    for f in files:
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0x55
+        f.write_bytes(bytes(data))
+    tokens, usage = ask(cluster, question)
+    assert tokens == cold
+    # The first block is corrupt, so nothing before it can be used.
+    assert usage.prompt_tokens_details.cached_tokens == 0
