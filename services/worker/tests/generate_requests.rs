@@ -106,3 +106,78 @@ fn seeded_sampling_is_reproducible_and_logprobs_are_consistent() {
         assert!(lp.top.iter().all(|(_, l)| *l <= 0.0));
     }
 }
+
+#[test]
+fn a_prompt_resumed_from_cached_blocks_gives_the_tokens_of_a_cold_run() {
+    use strata_worker::engine::generate::Prefix;
+    let m = model();
+    let text = (0..80)
+        .map(|i| format!("Fact {i}: the sea is wide and deep."))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let prompt = m.tokenizer.encode(&text).unwrap();
+    assert!(prompt.len() > 3 * 256 + 10, "{} tokens", prompt.len());
+    let req = GenerateRequest::greedy(prompt.clone(), 12);
+    let options = EngineOptions::default();
+
+    // Cold, collecting the blocks the prefill completes.
+    let mut blocks: Vec<(usize, Vec<u8>)> = Vec::new();
+    let mut sink = |i: usize, bytes: Vec<u8>| blocks.push((i, bytes));
+    let cold = m
+        .generate_with_prefix(
+            &req,
+            &options,
+            Prefix {
+                cached: &[],
+                on_block: Some(&mut sink),
+            },
+            |_| true,
+        )
+        .unwrap();
+    assert_eq!(cold.cached_tokens, 0);
+    let full = prompt.len() / 256;
+    assert_eq!(
+        blocks.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
+        (0..full).collect::<Vec<_>>()
+    );
+
+    // Warm from 1, 2 and all reusable blocks: the same tokens, fewer computed.
+    for n in 1..=full {
+        let cached: Vec<&[u8]> = blocks[..n].iter().map(|(_, b)| b.as_slice()).collect();
+        let mut more = Vec::new();
+        let mut sink = |i: usize, _bytes: Vec<u8>| more.push(i);
+        let warm = m
+            .generate_with_prefix(
+                &req,
+                &options,
+                Prefix {
+                    cached: &cached,
+                    on_block: Some(&mut sink),
+                },
+                |_| true,
+            )
+            .unwrap();
+        assert_eq!(warm.tokens, cold.tokens, "with {n} cached blocks");
+        let used = n.min((prompt.len() - 1) / 256);
+        assert_eq!(warm.cached_tokens, used * 256);
+        // Only the blocks it computed itself are handed out for storing.
+        assert_eq!(more, (used..full).collect::<Vec<_>>());
+    }
+
+    // A block of the wrong size is not used: the prompt is computed, the answer unchanged.
+    let bad = vec![0u8; 10];
+    let cached: [&[u8]; 1] = [&bad];
+    let fallback = m
+        .generate_with_prefix(
+            &req,
+            &options,
+            Prefix {
+                cached: &cached,
+                on_block: None,
+            },
+            |_| true,
+        )
+        .unwrap();
+    assert_eq!(fallback.cached_tokens, 0);
+    assert_eq!(fallback.tokens, cold.tokens);
+}
