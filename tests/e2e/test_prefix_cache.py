@@ -1,10 +1,12 @@
-"""Prefix caching through the real processes: a long prompt's blocks are stored by the worker in
-the cache service and reused by the next request with the same prefix (RAM tier), again after
-the cache service is killed and restarted (disk tier), and the greedy tokens are identical to
-the cold run's every time. A cache service that hangs costs a bounded wait, never a failed
+"""Prefix caching through the real processes: a long prompt's blocks are kept by the worker
+(L0) and stored in the cache service, and reused by the next request with the same prefix:
+from L0, from the service's RAM after the worker restarts (L1), and from its disk after the
+cache service is killed too (L2). The greedy tokens are identical to the cold run's each time. A cache service that hangs costs a bounded wait, never a failed
 request; a corrupted block file is never used."""
+import json
 import os
 import pathlib
+import urllib.request
 import signal
 import socket
 import time
@@ -52,6 +54,28 @@ def wait_kvcache_back(cluster, old_pid):
     pytest.fail("cache service not restarted:\n" + cluster.log())
 
 
+def restart_worker(cluster):
+    """Through the admin API: the new worker starts with an empty L0."""
+    old = cluster.worker()["pid"]
+    token = (cluster.run_dir / "admin-token").read_text().strip()
+    req = urllib.request.Request(cluster.url + f"/admin/api/workers/{MODEL}/restart", data=b"{}",
+                                 method="POST", headers={"authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert json.load(r)["restarting"] == f"worker-{MODEL}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        w = cluster.worker()
+        if w["phase"] == "ready" and w["pid"] != old:
+            return
+        time.sleep(0.1)
+    pytest.fail("worker not restarted:\n" + cluster.log())
+
+
+def tiers(usage):
+    t = usage.model_extra["strata_cached_tokens_by_tier"]
+    return t["l0"], t["l1"], t["l2"]
+
+
 def wait_stored(cluster, blocks):
     """The worker stores blocks behind the answer: wait until the service has them on disk."""
     kv = pathlib.Path(cluster.run_dir).parent / "kv" / "blocks"
@@ -70,21 +94,33 @@ def test_a_repeated_prefix_is_reused_from_ram_and_disk_with_identical_tokens(clu
     full_blocks = (usage.prompt_tokens - 1) // BLOCK
     wait_stored(cluster, usage.prompt_tokens // BLOCK)
 
+    cached = full_blocks * BLOCK
     warm, usage = ask(cluster)
-    assert usage.prompt_tokens_details.cached_tokens == full_blocks * BLOCK
+    assert usage.prompt_tokens_details.cached_tokens == cached
+    assert tiers(usage) == (cached, 0, 0)
     assert warm == cold
 
-    # kill -9 the cache service: the gateway restarts it, and the blocks come back from disk.
+    # A new worker has no L0: the blocks come from the cache service's RAM.
+    restart_worker(cluster)
+    from_ram, usage = ask(cluster)
+    assert usage.prompt_tokens_details.cached_tokens == cached
+    assert tiers(usage) == (0, cached, 0)
+    assert from_ram == cold
+
+    # kill -9 the cache service (the gateway restarts it) and restart the worker: from disk.
     pid = kvcache_pid(cluster)
     os.kill(pid, signal.SIGKILL)
     wait_kvcache_back(cluster, pid)
+    restart_worker(cluster)
     from_disk, usage = ask(cluster)
-    assert usage.prompt_tokens_details.cached_tokens == full_blocks * BLOCK
+    assert usage.prompt_tokens_details.cached_tokens == cached
+    assert tiers(usage) == (0, 0, cached)
     assert from_disk == cold
 
 
 def test_a_hung_cache_service_costs_a_bounded_wait_not_a_failure(cluster):
     cold, _ = ask(cluster, "Name a large ocean.")
+    restart_worker(cluster)  # empty L0: the worker must ask the cache service
     pid = kvcache_pid(cluster)
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -110,6 +146,7 @@ def test_a_corrupted_block_file_is_never_used(cluster):
         data = bytearray(f.read_bytes())
         data[-1] ^= 0x55
         f.write_bytes(bytes(data))
+    restart_worker(cluster)  # empty L0: the blocks must come from the cache service
     tokens, usage = ask(cluster, question)
     assert tokens == cold
     # The first block is corrupt, so nothing before it can be used.

@@ -142,6 +142,7 @@ fn usage_json(u: &pb::Usage) -> Value {
         "output_tokens": u.completion_tokens,
         "cache_read_input_tokens": u.cached_tokens,
         "cache_creation_input_tokens": 0,
+        "strata_cached_tokens_by_tier": generation::tiers_json(u),
     })
 }
 

@@ -171,6 +171,12 @@ pub async fn collect(
     }
 }
 
+/// Extension field: where the cached prompt tokens came from (L0: the worker's memory, L1:
+/// the cache service's RAM, L2: its disk).
+pub fn tiers_json(u: &pb::Usage) -> serde_json::Value {
+    serde_json::json!({"l0": u.cached_tokens_l0, "l1": u.cached_tokens_l1, "l2": u.cached_tokens_l2})
+}
+
 pub fn usage(done: &pb::GenerateDone) -> pb::Usage {
     done.usage.unwrap_or_default()
 }

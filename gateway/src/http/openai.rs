@@ -223,6 +223,7 @@ fn usage_json(u: &pb::Usage) -> Value {
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        "strata_cached_tokens_by_tier": generation::tiers_json(u),
     })
 }
 

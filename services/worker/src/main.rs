@@ -55,6 +55,9 @@ enum Command {
         /// Without it, nothing is cached.
         #[arg(long)]
         kvcache_socket: Option<PathBuf>,
+        /// L0: bytes of recent KV blocks this worker keeps itself (0 turns it off).
+        #[arg(long, default_value = "256MiB", value_parser = parse_bytes)]
+        l0_bytes: u64,
     },
     /// Print which MLX library and device this process gets, then exit.
     Probe,
@@ -293,6 +296,7 @@ fn main() -> anyhow::Result<()> {
             prefill_chunk_tokens,
             queue,
             kvcache_socket,
+            l0_bytes,
         } => {
             let serving = match &model {
                 Some(path) => {
@@ -314,10 +318,11 @@ fn main() -> anyhow::Result<()> {
             };
             let runtime = tokio::runtime::Runtime::new().context("start the tokio runtime")?;
             let serving = serving.map(|mut s| {
-                if let Some(sock) = &kvcache_socket {
+                if kvcache_socket.is_some() || l0_bytes > 0 {
                     let _guard = runtime.enter();
                     s.prefix_cache = Some(PrefixCache::new(
-                        sock,
+                        kvcache_socket.as_deref(),
+                        l0_bytes,
                         &s.info.fingerprint,
                         s.info.block_tokens as usize,
                         s.kv_layout,
@@ -333,6 +338,10 @@ fn main() -> anyhow::Result<()> {
 fn median(values: &mut [f64]) -> f64 {
     values.sort_by(f64::total_cmp);
     values.get(values.len() / 2).copied().unwrap_or(0.0)
+}
+
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    parse_size::parse_size(s).map_err(|e| format!("{s:?}: {e} (e.g. 256MiB)"))
 }
 
 fn default_model_id(path: &std::path::Path) -> String {

@@ -1,6 +1,7 @@
 //! The worker's side of prefix caching: a prompt's full blocks get chain keys (namespace = the
-//! model fingerprint), the leading ones the cache service holds are fetched before the job is
-//! queued, and every block the prefill completes is sent back asynchronously. The cache
+//! model fingerprint); the leading ones are taken from L0 (this worker's recent blocks, an LRU
+//! by bytes) and then from the cache service (its RAM, L1, or disk, L2) before the job is
+//! queued; every block the prefill completes goes into L0 and, asynchronously, to the service. The cache
 //! service being down or slow never fails a request: lookups and fetches have short deadlines,
 //! and on any failure the prompt is simply computed. The gRPC channel reconnects by itself
 //! when the service comes back.
@@ -11,9 +12,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use prost::bytes::Bytes;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
 use strata_kvcache::block::{BlockKey, make_block_of};
 use strata_kvcache::client::CacheClient;
-use strata_proto::kvcache::{Block, LookupRequest};
+
+use strata_proto::kvcache::{Block, LookupRequest, Tier};
 use tokio::sync::mpsc;
 
 use crate::engine::kv::KvLayout;
@@ -33,9 +37,57 @@ pub struct PrefixStats {
     pub store_failures: AtomicU64,
 }
 
+/// L0: blocks this worker computed or fetched recently, least recently used out first.
+struct L0 {
+    limit_bytes: u64,
+    used_bytes: u64,
+    tick: u64,
+    entries: HashMap<BlockKey, (Bytes, u64)>,
+    order: BTreeMap<u64, BlockKey>,
+}
+
+impl L0 {
+    fn get(&mut self, key: &BlockKey) -> Option<Bytes> {
+        self.tick += 1;
+        let (bytes, tick) = self.entries.get_mut(key)?;
+        self.order.remove(tick);
+        *tick = self.tick;
+        self.order.insert(self.tick, *key);
+        Some(bytes.clone())
+    }
+
+    fn insert(&mut self, key: BlockKey, bytes: Bytes) {
+        let size = bytes.len() as u64;
+        if size > self.limit_bytes || self.entries.contains_key(&key) {
+            return;
+        }
+        while self.used_bytes + size > self.limit_bytes {
+            let Some((_, victim)) = self.order.pop_first() else {
+                break;
+            };
+            if let Some((b, _)) = self.entries.remove(&victim) {
+                self.used_bytes -= b.len() as u64;
+            }
+        }
+        self.tick += 1;
+        self.order.insert(self.tick, key);
+        self.entries.insert(key, (bytes, self.tick));
+        self.used_bytes += size;
+    }
+}
+
+/// Cached blocks of one prompt by tier.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Tiers {
+    pub l0: usize,
+    pub l1: usize,
+    pub l2: usize,
+}
+
 #[derive(Clone)]
 pub struct PrefixCache {
-    client: CacheClient,
+    client: Option<CacheClient>,
+    l0: Arc<Mutex<L0>>,
     namespace: Arc<str>,
     block_tokens: usize,
     layout: (u32, u32, u32, &'static str),
@@ -46,7 +98,13 @@ pub struct PrefixCache {
 /// What a job takes to the engine: the cached blocks' payloads, and where to send new blocks.
 pub struct Prepared {
     pub cached: Vec<Bytes>,
+    /// Where each of `cached` came from, in blocks.
+    pub tiers: Tiers,
     pub sink: Box<dyn FnMut(usize, Vec<u8>) + Send>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn dtype_name(d: mlx_rs::Dtype) -> &'static str {
@@ -58,14 +116,30 @@ fn dtype_name(d: mlx_rs::Dtype) -> &'static str {
 }
 
 impl PrefixCache {
-    /// Must be called inside the tokio runtime (it starts the store task).
-    pub fn new(socket: &Path, namespace: &str, block_tokens: usize, layout: KvLayout) -> Self {
-        let client = CacheClient::connect(socket, Duration::from_secs(1));
+    /// Must be called inside the tokio runtime (it starts the store task). Without a socket,
+    /// only L0 is used.
+    pub fn new(
+        socket: Option<&Path>,
+        l0_bytes: u64,
+        namespace: &str,
+        block_tokens: usize,
+        layout: KvLayout,
+    ) -> Self {
+        let client = socket.map(|s| CacheClient::connect(s, Duration::from_secs(1)));
         let (store, rx) = mpsc::channel(STORE_QUEUE_BLOCKS);
         let stats = Arc::new(PrefixStats::default());
-        tokio::spawn(store_loop(client.clone(), rx, stats.clone()));
+        if let Some(c) = &client {
+            tokio::spawn(store_loop(c.clone(), rx, stats.clone()));
+        }
         Self {
             client,
+            l0: Arc::new(Mutex::new(L0 {
+                limit_bytes: l0_bytes,
+                used_bytes: 0,
+                tick: 0,
+                entries: HashMap::new(),
+                order: BTreeMap::new(),
+            })),
             namespace: namespace.into(),
             block_tokens,
             layout: (
@@ -97,8 +171,34 @@ impl PrefixCache {
     /// for the blocks the prefill will complete.
     pub async fn prepare(&self, prompt: &[u32]) -> Prepared {
         let keys = self.keys(prompt);
-        let reusable = (prompt.len().saturating_sub(1)) / self.block_tokens;
-        let cached = self.fetch(&keys[..reusable.min(keys.len())]).await;
+        let reusable = ((prompt.len().saturating_sub(1)) / self.block_tokens).min(keys.len());
+        let mut cached = Vec::new();
+        {
+            let mut l0 = lock(&self.l0);
+            for k in &keys[..reusable] {
+                match l0.get(k) {
+                    Some(b) => cached.push(b),
+                    None => break,
+                }
+            }
+        }
+        let mut tiers = Tiers {
+            l0: cached.len(),
+            ..Tiers::default()
+        };
+        if cached.len() < reusable {
+            let from = cached.len();
+            let fetched = self.fetch(&keys[from..reusable]).await;
+            let mut l0 = lock(&self.l0);
+            for (i, (bytes, tier)) in fetched.into_iter().enumerate() {
+                match tier {
+                    Tier::Disk => tiers.l2 += 1,
+                    _ => tiers.l1 += 1,
+                }
+                l0.insert(keys[from + i], bytes.clone());
+                cached.push(bytes);
+            }
+        }
         let this = self.clone();
         let tokens = prompt.to_vec();
         let sink = Box::new(move |index: usize, bytes: Vec<u8>| {
@@ -115,36 +215,54 @@ impl PrefixCache {
                 this.layout,
                 bytes,
             );
+            lock(&this.l0).insert(keys[index], block.payload.clone());
+            if this.client.is_none() {
+                return;
+            }
             if this.store.try_send(block).is_err() {
                 this.stats
                     .blocks_store_dropped
                     .fetch_add(1, Ordering::Relaxed);
             }
         });
-        Prepared { cached, sink }
+        Prepared {
+            cached,
+            tiers,
+            sink,
+        }
     }
 
-    async fn fetch(&self, keys: &[BlockKey]) -> Vec<Bytes> {
+    /// The leading blocks of `keys` the cache service holds, with the tier each came from.
+    async fn fetch(&self, keys: &[BlockKey]) -> Vec<(Bytes, Tier)> {
+        let Some(client) = &self.client else {
+            return Vec::new();
+        };
         if keys.is_empty() {
             return Vec::new();
         }
         self.stats.lookups.fetch_add(1, Ordering::Relaxed);
         let started = Instant::now();
-        let mut client = self.client.clone();
+        let mut client = client.clone();
         let mut req = tonic::Request::new(LookupRequest {
             namespace: self.namespace.to_string(),
             keys: keys.iter().map(|k| k.0.to_vec()).collect(),
             ..Default::default()
         });
         req.set_timeout(LOOKUP_DEADLINE);
-        let held = match client.rpc().lookup(req).await {
-            Ok(r) => r.into_inner().blocks.len(),
+        let tiers: Vec<Tier> = match client.rpc().lookup(req).await {
+            Ok(r) => r
+                .into_inner()
+                .blocks
+                .iter()
+                .map(|b| Tier::try_from(b.tier).unwrap_or(Tier::Ram))
+                .collect(),
             Err(e) => {
                 self.stats.lookup_failures.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(error = %e.message(), "cache service lookup failed; computing the prompt");
                 return Vec::new();
             }
         };
+        let held = tiers.len();
         if held == 0 {
             return Vec::new();
         }
@@ -163,7 +281,11 @@ impl PrefixCache {
                     ms = started.elapsed().as_millis() as u64,
                     "prefix fetched"
                 );
-                blocks.into_iter().map(|b| b.payload).collect()
+                blocks
+                    .into_iter()
+                    .zip(tiers)
+                    .map(|(b, t)| (b.payload, t))
+                    .collect()
             }
             Err(e) => {
                 self.stats.lookup_failures.fetch_add(1, Ordering::Relaxed);

@@ -260,6 +260,8 @@ impl Worker for WorkerService {
             Some(pc) => Some(pc.prepare(&request.prompt).await),
             None => None,
         };
+        let tiers = prepared.as_ref().map(|p| p.tiers).unwrap_or_default();
+        let block = serving.info.block_tokens;
         let mut events = serving
             .scheduler
             .submit(request, prepared)
@@ -300,6 +302,11 @@ impl Worker for WorkerService {
                                     prompt_tokens: g.prompt_tokens as u32,
                                     completion_tokens: g.tokens.len() as u32,
                                     cached_tokens: g.cached_tokens as u32,
+                                    // Per tier, when every planned block was used (a block
+                                    // the engine refused means the prompt was computed).
+                                    cached_tokens_l0: tier_tokens(&g, tiers.l0, block, tiers),
+                                    cached_tokens_l1: tier_tokens(&g, tiers.l1, block, tiers),
+                                    cached_tokens_l2: tier_tokens(&g, tiers.l2, block, tiers),
                                 }),
                                 timings: Some(pb::Timings {
                                     queue_ms: queued.as_secs_f64() * 1e3,
@@ -348,6 +355,20 @@ impl Worker for WorkerService {
             generated_tokens_total: c.generated_tokens.load(Ordering::Relaxed),
             queue_capacity: serving.scheduler.capacity as u32,
         }))
+    }
+}
+
+fn tier_tokens(
+    g: &crate::engine::generate::Generation,
+    blocks: usize,
+    block: u32,
+    all: crate::prefix_cache::Tiers,
+) -> u32 {
+    let planned = (all.l0 + all.l1 + all.l2) * block as usize;
+    if planned > 0 && g.cached_tokens == planned {
+        blocks as u32 * block
+    } else {
+        0
     }
 }
 
