@@ -71,6 +71,18 @@ def restart_worker(cluster):
     pytest.fail("worker not restarted:\n" + cluster.log())
 
 
+def probe(cluster, question="What is the capital of France?"):
+    token = (cluster.run_dir / "admin-token").read_text().strip()
+    body = {"model": MODEL, "messages": [{"role": "system", "content": SYSTEM},
+                                         {"role": "user", "content": question}]}
+    req = urllib.request.Request(cluster.url + "/admin/api/cache/probe",
+                                 data=json.dumps(body).encode(), method="POST",
+                                 headers={"authorization": f"Bearer {token}",
+                                          "content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.load(r)["blocks"]
+
+
 def tiers(usage):
     t = usage.model_extra["strata_cached_tokens_by_tier"]
     return t["l0"], t["l1"], t["l2"]
@@ -88,6 +100,7 @@ def wait_stored(cluster, blocks):
 
 
 def test_a_repeated_prefix_is_reused_from_ram_and_disk_with_identical_tokens(cluster):
+    assert set(probe(cluster)) == {"none"}
     cold, usage = ask(cluster)
     assert usage.prompt_tokens > 3 * BLOCK, usage
     assert usage.prompt_tokens_details.cached_tokens == 0
@@ -95,6 +108,7 @@ def test_a_repeated_prefix_is_reused_from_ram_and_disk_with_identical_tokens(clu
     wait_stored(cluster, usage.prompt_tokens // BLOCK)
 
     cached = full_blocks * BLOCK
+    assert probe(cluster) == ["l0"] * (usage.prompt_tokens // BLOCK)
     warm, usage = ask(cluster)
     assert usage.prompt_tokens_details.cached_tokens == cached
     assert tiers(usage) == (cached, 0, 0)
@@ -102,6 +116,7 @@ def test_a_repeated_prefix_is_reused_from_ram_and_disk_with_identical_tokens(clu
 
     # A new worker has no L0: the blocks come from the cache service's RAM.
     restart_worker(cluster)
+    assert probe(cluster) == ["l1"] * (usage.prompt_tokens // BLOCK)
     from_ram, usage = ask(cluster)
     assert usage.prompt_tokens_details.cached_tokens == cached
     assert tiers(usage) == (0, cached, 0)
@@ -112,6 +127,7 @@ def test_a_repeated_prefix_is_reused_from_ram_and_disk_with_identical_tokens(clu
     os.kill(pid, signal.SIGKILL)
     wait_kvcache_back(cluster, pid)
     restart_worker(cluster)
+    assert probe(cluster) == ["l2"] * (usage.prompt_tokens // BLOCK)
     from_disk, usage = ask(cluster)
     assert usage.prompt_tokens_details.cached_tokens == cached
     assert tiers(usage) == (0, 0, cached)

@@ -35,6 +35,7 @@ pub fn router(state: AppState) -> Router<AppState> {
         .route("/admin/api/models/{id}/{action}", post(model_action))
         .route("/admin/api/cache/stats", get(cache_stats))
         .route("/admin/api/cache/clear", post(cache_clear))
+        .route("/admin/api/cache/probe", post(cache_probe))
         .route_layer(middleware::from_fn_with_state(state, require_admin))
 }
 
@@ -216,6 +217,55 @@ async fn cache_stats(State(state): State<AppState>) -> Result<Response, ApiError
             "misses": n.misses,
             "disk_quota_bytes": n.disk_quota_bytes,
         })).collect::<Vec<_>>(),
+    }))
+    .into_response())
+}
+
+/// Body: `{"model": ID, "messages": [...]}` (a chat, as for chat completions) or
+/// `{"model": ID, "prompt": "..."}`: where each full block of that prompt is cached now.
+async fn cache_probe(
+    State(state): State<AppState>,
+    body: axum::body::Body,
+) -> Result<Response, ApiError> {
+    #[derive(serde::Deserialize)]
+    struct Probe {
+        model: String,
+        messages: Option<Vec<Value>>,
+        prompt: Option<String>,
+    }
+    let req: Probe =
+        super::generation::read_json(body, state.max_body_bytes, super::error::Flavor::OpenAi)
+            .await?;
+    let model = state.registry.resolve(&req.model)?;
+    let input = match (req.messages, req.prompt) {
+        (Some(messages), None) => {
+            strata_proto::worker::prompt::Input::Chat(strata_proto::worker::Chat {
+                messages_json: Value::Array(super::openai::normalize_messages(messages)?)
+                    .to_string(),
+                tools_json: String::new(),
+                add_generation_prompt: true,
+            })
+        }
+        (None, Some(text)) => strata_proto::worker::prompt::Input::Text(text),
+        _ => return Err(ApiError::invalid("send either messages or prompt")),
+    };
+    let mut client = model.ready_client()?;
+    let mut probe = tonic::Request::new(strata_proto::worker::ProbeRequest {
+        prompt: Some(strata_proto::worker::Prompt { input: Some(input) }),
+    });
+    probe.set_timeout(Duration::from_secs(30));
+    let r = client
+        .probe(probe)
+        .await
+        .map_err(|e| super::error::from_worker_status(&e))?
+        .into_inner();
+    let usable = r.blocks.iter().take_while(|t| *t != "none").count() as u32 * r.block_tokens;
+    Ok(Json(json!({
+        "model": model.id,
+        "prompt_tokens": r.prompt_tokens,
+        "block_tokens": r.block_tokens,
+        "blocks": r.blocks,
+        "cached_prefix_tokens": usable.min(r.prompt_tokens.saturating_sub(1) / r.block_tokens * r.block_tokens),
     }))
     .into_response())
 }

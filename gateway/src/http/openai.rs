@@ -138,7 +138,7 @@ impl Common {
 }
 
 /// Chat messages as the template expects them: roles checked, content flattened to text.
-fn normalize_messages(messages: Vec<Value>) -> Result<Vec<Value>, ApiError> {
+pub(crate) fn normalize_messages(messages: Vec<Value>) -> Result<Vec<Value>, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid("messages must not be empty").param("messages"));
     }

@@ -232,6 +232,43 @@ impl PrefixCache {
         }
     }
 
+    /// Where each full block of `prompt` is now: "l0", "l1", "l2" or "none" (one lookup per
+    /// block not in L0, so blocks past a gap are reported too).
+    pub async fn probe(&self, prompt: &[u32]) -> Vec<&'static str> {
+        let keys = self.keys(prompt);
+        let in_l0: Vec<bool> = {
+            let l0 = lock(&self.l0);
+            keys.iter().map(|k| l0.entries.contains_key(k)).collect()
+        };
+        let mut out = Vec::with_capacity(keys.len());
+        for (k, l0) in keys.iter().zip(in_l0) {
+            if l0 {
+                out.push("l0");
+                continue;
+            }
+            let Some(client) = &self.client else {
+                out.push("none");
+                continue;
+            };
+            let mut req = tonic::Request::new(LookupRequest {
+                namespace: self.namespace.to_string(),
+                keys: vec![k.0.to_vec()],
+                ..Default::default()
+            });
+            req.set_timeout(LOOKUP_DEADLINE);
+            let tier = match client.clone().rpc().lookup(req).await {
+                Ok(r) => r.into_inner().blocks.first().map(|b| b.tier),
+                Err(_) => None,
+            };
+            out.push(match tier.and_then(|t| Tier::try_from(t).ok()) {
+                Some(Tier::Ram) => "l1",
+                Some(Tier::Disk) => "l2",
+                _ => "none",
+            });
+        }
+        out
+    }
+
     /// The leading blocks of `keys` the cache service holds, with the tier each came from.
     async fn fetch(&self, keys: &[BlockKey]) -> Vec<(Bytes, Tier)> {
         let Some(client) = &self.client else {

@@ -343,6 +343,27 @@ impl Worker for WorkerService {
         )))
     }
 
+    async fn probe(
+        &self,
+        req: Request<pb::ProbeRequest>,
+    ) -> Result<Response<pb::ProbeResponse>, Status> {
+        let serving = self.serving()?.clone();
+        let prompt = req.into_inner().prompt;
+        let s2 = serving.clone();
+        let (_, ids) = tokio::task::spawn_blocking(move || s2.tokenize(prompt))
+            .await
+            .map_err(internal)??;
+        let blocks = match &serving.prefix_cache {
+            Some(pc) => pc.probe(&ids).await,
+            None => vec!["none"; ids.len() / serving.info.block_tokens as usize],
+        };
+        Ok(Response::new(pb::ProbeResponse {
+            prompt_tokens: ids.len() as u32,
+            block_tokens: serving.info.block_tokens,
+            blocks: blocks.into_iter().map(String::from).collect(),
+        }))
+    }
+
     async fn stats(&self, _req: Request<StatsRequest>) -> Result<Response<StatsResponse>, Status> {
         let serving = self.serving()?;
         let c = &serving.scheduler.counters;
