@@ -39,6 +39,9 @@ pub struct Config {
     /// OTLP/gRPC endpoint for traces (e.g. http://127.0.0.1:4317); off when absent.
     #[serde(default)]
     pub otlp_endpoint: Option<String>,
+    /// Give each API key its own cache namespace, so tenants never share KV blocks.
+    #[serde(default)]
+    pub tenant_by_api_key: bool,
     #[serde(default = "default_request_timeout")]
     pub request_timeout_secs: u64,
     /// Largest request body accepted, in bytes.
@@ -112,6 +115,7 @@ impl Default for Config {
             api_keys: Vec::new(),
             admin_token: None,
             otlp_endpoint: None,
+            tenant_by_api_key: false,
             request_timeout_secs: default_request_timeout(),
             max_body_bytes: default_max_body(),
             run_dir: None,

@@ -439,6 +439,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         },
         request_timeout: Duration::from_secs(config.request_timeout_secs),
         max_body_bytes: config.max_body_bytes,
+        tenant_by_api_key: config.tenant_by_api_key,
         started_unix: strata_gateway::http::generation::unix_now(),
     });
     let mut http_shutdown = shutdown_rx.clone();

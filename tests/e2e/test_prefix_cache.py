@@ -30,10 +30,11 @@ def cluster(bin_dir, default_model, tmp_path_factory):
     stop_cluster(c)
 
 
-def ask(cluster, question="What is the capital of France?"):
+def ask(cluster, question="What is the capital of France?", salt=None):
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="x", max_retries=0)
     r = client.chat.completions.create(
         model=MODEL, temperature=0, max_tokens=16, logprobs=True,
+        extra_body={"cache_salt": salt} if salt else None,
         messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
     tokens = [t.token for t in r.choices[0].logprobs.content]
     return tokens, r.usage
@@ -167,3 +168,14 @@ def test_a_corrupted_block_file_is_never_used(cluster):
     assert tokens == cold
     # The first block is corrupt, so nothing before it can be used.
     assert usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_tenants_with_different_salts_never_share_blocks(cluster):
+    question = "Tell me about the tides."
+    a1, usage = ask(cluster, question, salt="tenant-a")
+    assert usage.prompt_tokens_details.cached_tokens == 0
+    a2, usage = ask(cluster, question, salt="tenant-a")
+    assert usage.prompt_tokens_details.cached_tokens > 0
+    b, usage = ask(cluster, question, salt="tenant-b")
+    assert usage.prompt_tokens_details.cached_tokens == 0
+    assert a1 == a2 == b

@@ -232,6 +232,7 @@ async fn cache_probe(
         model: String,
         messages: Option<Vec<Value>>,
         prompt: Option<String>,
+        cache_salt: Option<String>,
     }
     let req: Probe =
         super::generation::read_json(body, state.max_body_bytes, super::error::Flavor::OpenAi)
@@ -252,6 +253,7 @@ async fn cache_probe(
     let mut client = model.ready_client()?;
     let mut probe = tonic::Request::new(strata_proto::worker::ProbeRequest {
         prompt: Some(strata_proto::worker::Prompt { input: Some(input) }),
+        cache_salt: super::cache_salt(None, req.cache_salt.as_deref()),
     });
     probe.set_timeout(Duration::from_secs(30));
     let r = client

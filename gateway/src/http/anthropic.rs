@@ -13,9 +13,10 @@ use serde_json::{Value, json};
 use strata_proto::worker::{self as pb, generate_event};
 use tokio_stream::wrappers::ReceiverStream;
 
-use super::AppState;
 use super::error::{ApiError, ErrorKind, Flavor, from_worker_status};
 use super::generation::{self, Collected, read_json, response_id};
+use super::{AppState, TenantKey};
+use axum::Extension;
 
 const FLAVOR: Flavor = Flavor::Anthropic;
 
@@ -32,6 +33,8 @@ pub struct MessagesRequest {
     #[serde(default)]
     stream: bool,
     tools: Option<Vec<Value>>,
+    /// Extension: requests with different salts never share cached blocks.
+    cache_salt: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -146,7 +149,11 @@ fn usage_json(u: &pb::Usage) -> Value {
     })
 }
 
-pub async fn messages(State(state): State<AppState>, body: Body) -> Result<Response, ApiError> {
+pub async fn messages(
+    State(state): State<AppState>,
+    tenant: Option<Extension<TenantKey>>,
+    body: Body,
+) -> Result<Response, ApiError> {
     let req: MessagesRequest = read_json(body, state.max_body_bytes, FLAVOR).await?;
     let model = state
         .registry
@@ -175,6 +182,7 @@ pub async fn messages(State(state): State<AppState>, body: Body) -> Result<Respo
         stop,
         stop_token_ids: Vec::new(),
         ignore_eos: false,
+        cache_salt: super::cache_salt(tenant.as_deref(), req.cache_salt.as_deref()),
     };
     let stream = generation::start(&model, worker_req, state.request_timeout, FLAVOR).await?;
     let id = response_id("msg_");

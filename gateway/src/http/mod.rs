@@ -35,6 +35,8 @@ pub struct AppState {
     pub request_timeout: Duration,
     pub max_body_bytes: usize,
     pub started_unix: u64,
+    /// Each API key gets its own cache namespace.
+    pub tenant_by_api_key: bool,
 }
 
 pub fn router(state: AppState) -> Router {
@@ -66,7 +68,22 @@ fn flavor_of(path: &str) -> Flavor {
 }
 
 /// `Authorization: Bearer KEY` (OpenAI SDKs) or `x-api-key: KEY` (Anthropic SDKs).
-async fn require_api_key(State(state): State<AppState>, req: Request, next: Next) -> Response {
+/// The API key a request was let in with, when keys separate tenants' caches.
+#[derive(Clone)]
+pub struct TenantKey(pub String);
+
+/// The cache salt of a request: its tenant's key (when configured so) and its own
+/// `cache_salt` field. Empty: the model's blocks are shared by every request.
+pub fn cache_salt(tenant: Option<&TenantKey>, requested: Option<&str>) -> String {
+    match (tenant, requested.filter(|s| !s.is_empty())) {
+        (None, None) => String::new(),
+        (Some(t), None) => format!("key:{}", t.0),
+        (None, Some(r)) => format!("req:{r}"),
+        (Some(t), Some(r)) => format!("key:{}\nreq:{r}", t.0),
+    }
+}
+
+async fn require_api_key(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
     if state.api_keys.is_empty() {
         return next.run(req).await;
     }
@@ -84,6 +101,10 @@ async fn require_api_key(State(state): State<AppState>, req: Request, next: Next
                 .iter()
                 .any(|k| constant_time_eq(k.as_bytes(), key.as_bytes())) =>
         {
+            if state.tenant_by_api_key {
+                let tenant = TenantKey(key.to_string());
+                req.extensions_mut().insert(tenant);
+            }
             next.run(req).await
         }
         Some(_) => ApiError::new(ErrorKind::Authentication, "invalid API key")

@@ -12,9 +12,10 @@ use serde_json::{Value, json};
 use strata_proto::worker::{self as pb, generate_event};
 use tokio_stream::wrappers::ReceiverStream;
 
-use super::AppState;
 use super::error::{ApiError, Flavor};
 use super::generation::{self, Collected, from_value, read_value, response_id, unix_now};
+use super::{AppState, TenantKey};
+use axum::Extension;
 
 const FLAVOR: Flavor = Flavor::OpenAi;
 
@@ -48,6 +49,8 @@ pub struct Common {
     presence_penalty: Option<f32>,
     frequency_penalty: Option<f32>,
     seed: Option<u64>,
+    /// vLLM's extension: requests with different salts never share cached blocks.
+    cache_salt: Option<String>,
     // Extensions several servers accept.
     top_k: Option<u32>,
     min_p: Option<f32>,
@@ -87,6 +90,7 @@ impl Common {
         &self,
         prompt: pb::Prompt,
         logprobs: Option<u32>,
+        tenant: Option<&TenantKey>,
     ) -> Result<pb::GenerateRequest, ApiError> {
         if self.model.is_empty() {
             return Err(ApiError::invalid("model must not be empty").param("model"));
@@ -133,6 +137,7 @@ impl Common {
             stop,
             stop_token_ids: Vec::new(),
             ignore_eos: false,
+            cache_salt: super::cache_salt(tenant, self.cache_salt.as_deref()),
         })
     }
 }
@@ -252,6 +257,7 @@ pub async fn models(State(state): State<AppState>) -> Json<Value> {
 
 pub async fn chat_completions(
     State(state): State<AppState>,
+    tenant: Option<Extension<TenantKey>>,
     body: Body,
 ) -> Result<Response, ApiError> {
     let value = read_value(body, state.max_body_bytes, FLAVOR).await?;
@@ -289,7 +295,7 @@ pub async fn chat_completions(
         }
         _ => None,
     };
-    let worker_req = common.to_worker(prompt, logprobs)?;
+    let worker_req = common.to_worker(prompt, logprobs, tenant.as_deref())?;
     let stream = generation::start(&model, worker_req, state.request_timeout, FLAVOR).await?;
     let id = response_id("chatcmpl-");
     let created = unix_now();
@@ -353,7 +359,11 @@ pub async fn chat_completions(
     .into_response())
 }
 
-pub async fn completions(State(state): State<AppState>, body: Body) -> Result<Response, ApiError> {
+pub async fn completions(
+    State(state): State<AppState>,
+    tenant: Option<Extension<TenantKey>>,
+    body: Body,
+) -> Result<Response, ApiError> {
     let value = read_value(body, state.max_body_bytes, FLAVOR).await?;
     let common: Common = from_value(&value, FLAVOR)?;
     let req: CompletionRequest = from_value(&value, FLAVOR)?;
@@ -385,7 +395,11 @@ pub async fn completions(State(state): State<AppState>, body: Body) -> Result<Re
         return Err(ApiError::invalid("prompt must not be empty").param("prompt"));
     }
     let logprobs = req.logprobs.map(|n| n.min(5));
-    let worker_req = common.to_worker(pb::Prompt { input: Some(input) }, logprobs)?;
+    let worker_req = common.to_worker(
+        pb::Prompt { input: Some(input) },
+        logprobs,
+        tenant.as_deref(),
+    )?;
     let stream = generation::start(&model, worker_req, state.request_timeout, FLAVOR).await?;
     let id = response_id("cmpl-");
     let created = unix_now();

@@ -153,6 +153,18 @@ impl PrefixCache {
         }
     }
 
+    /// The same cache seen by one tenant: the namespace gains a salt (hashed, so the salt
+    /// itself is never stored), and no other tenant's blocks can match its keys.
+    pub fn for_tenant(&self, salt: &str) -> Self {
+        if salt.is_empty() {
+            return self.clone();
+        }
+        let mut view = self.clone();
+        let hash = blake3::hash(salt.as_bytes()).to_hex();
+        view.namespace = format!("{}+{}", self.namespace, &hash[..16]).into();
+        view
+    }
+
     /// Chain keys of the prompt's full blocks.
     pub fn keys(&self, prompt: &[u32]) -> Vec<BlockKey> {
         let mut parent: Option<BlockKey> = None;

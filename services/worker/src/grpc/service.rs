@@ -235,6 +235,7 @@ impl Worker for WorkerService {
         let serving = self.serving()?.clone();
         let req = req.into_inner();
         let request_id = req.request_id.clone();
+        let salt = req.cache_salt.clone();
         let prompt = req.prompt;
         let s2 = serving.clone();
         let (_, ids) = tokio::task::spawn_blocking(move || s2.tokenize(prompt))
@@ -257,7 +258,7 @@ impl Worker for WorkerService {
         // Refuse what the engine would refuse before queueing it.
         validate(&serving, &request)?;
         let prepared = match &serving.prefix_cache {
-            Some(pc) => Some(pc.prepare(&request.prompt).await),
+            Some(pc) => Some(pc.for_tenant(&salt).prepare(&request.prompt).await),
             None => None,
         };
         let tiers = prepared.as_ref().map(|p| p.tiers).unwrap_or_default();
@@ -348,13 +349,14 @@ impl Worker for WorkerService {
         req: Request<pb::ProbeRequest>,
     ) -> Result<Response<pb::ProbeResponse>, Status> {
         let serving = self.serving()?.clone();
-        let prompt = req.into_inner().prompt;
+        let req = req.into_inner();
+        let (prompt, salt) = (req.prompt, req.cache_salt);
         let s2 = serving.clone();
         let (_, ids) = tokio::task::spawn_blocking(move || s2.tokenize(prompt))
             .await
             .map_err(internal)??;
         let blocks = match &serving.prefix_cache {
-            Some(pc) => pc.probe(&ids).await,
+            Some(pc) => pc.for_tenant(&salt).probe(&ids).await,
             None => vec!["none"; ids.len() / serving.info.block_tokens as usize],
         };
         Ok(Response::new(pb::ProbeResponse {
