@@ -90,6 +90,10 @@ pub struct ModelConfig {
     /// Never unloaded to make room for another model.
     #[serde(default)]
     pub pinned: bool,
+    /// The worker's memory budget, e.g. "8GiB"; requests that would not fit are refused
+    /// [default: 80% of physical memory].
+    #[serde(default)]
+    pub memory_budget: Option<String>,
 }
 
 fn default_bind() -> SocketAddr {

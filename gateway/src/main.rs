@@ -127,6 +127,9 @@ struct UpArgs {
     /// An API key /v1 accepts (repeatable); /v1 is open when none is configured.
     #[arg(long = "api-key", env = "STRATA_API_KEY")]
     api_keys: Vec<String>,
+    /// Memory budget of each worker whose model has none in the config, e.g. 8GiB.
+    #[arg(long, env = "STRATA_WORKER_MEMORY_BUDGET")]
+    worker_memory_budget: Option<String>,
     /// Folder holding strata-worker and strata-kvcache [default: next to this binary].
     #[arg(long, env = "STRATA_BIN_DIR")]
     bin_dir: Option<PathBuf>,
@@ -299,6 +302,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             kind: ModelKind::Llm,
             aliases: Vec::new(),
             pinned: true,
+            memory_budget: None,
         }];
     }
     config.validate()?;
@@ -396,7 +400,17 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
                 m.id.clone(),
                 "--kvcache-socket".into(),
                 kvcache_socket.display().to_string(),
-            ],
+            ]
+            .into_iter()
+            .chain(
+                m.memory_budget
+                    .clone()
+                    .or(args.worker_memory_budget.clone())
+                    .map(|b| ["--memory-budget".to_string(), b])
+                    .into_iter()
+                    .flatten(),
+            )
+            .collect(),
             socket,
         };
         models.push(ModelEntry::new(

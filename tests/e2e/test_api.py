@@ -420,3 +420,26 @@ def test_models_load_unload_pin_and_unpin_act_on_the_worker_process(cluster, bin
     r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
                                     max_tokens=8, temperature=0)
     assert r.choices[0].message.content
+
+
+def test_a_request_that_cannot_fit_the_workers_memory_budget_is_refused_and_the_worker_lives(
+        bin_dir, default_model, tmp_path, free_port):
+    # A budget below the loaded model itself: every request is refused before any work.
+    c = start_cluster(bin_dir, default_model, free_port, tmp_path, "--worker-memory-budget", "1MiB")
+    try:
+        pid = c.worker()["pid"]
+        client = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as e:
+            client.chat.completions.create(model=MODEL, max_tokens=4000,
+                                           messages=[{"role": "user", "content": "hi"}])
+        assert e.value.status_code == 413
+        assert e.value.body["code"] == "memory_budget_exceeded"
+        assert "memory budget of 1 MiB" in e.value.body["message"], e.value.body
+        claude = anthropic.Anthropic(base_url=c.url, api_key="x", max_retries=0)
+        with pytest.raises(anthropic.APIStatusError) as e:
+            claude.messages.create(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": "hi"}])
+        assert e.value.status_code == 413
+        # The worker did not die of it.
+        assert c.worker()["pid"] == pid and c.health()[0] == 200
+    finally:
+        stop_cluster(c)

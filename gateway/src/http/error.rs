@@ -160,6 +160,10 @@ pub fn from_worker_status(status: &tonic::Status) -> ApiError {
     match status.code() {
         Code::InvalidArgument => ApiError::invalid(message),
         Code::OutOfRange => ApiError::invalid(message).code("context_length_exceeded"),
+        // Memory admission: the request can never fit this worker.
+        Code::FailedPrecondition => {
+            ApiError::new(ErrorKind::TooLarge, message).code("memory_budget_exceeded")
+        }
         Code::ResourceExhausted => ApiError::new(ErrorKind::RateLimited, message),
         Code::DeadlineExceeded => ApiError::new(ErrorKind::Timeout, "the request took too long"),
         Code::Unimplemented => ApiError::invalid(message),

@@ -1,5 +1,6 @@
 //! `strata-worker`: one process per loaded model, running MLX through mlx-rs behind gRPC.
 
+pub mod admission;
 pub mod blas_env;
 pub mod engine;
 pub mod grpc;

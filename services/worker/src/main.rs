@@ -58,6 +58,10 @@ enum Command {
         /// L0: bytes of recent KV blocks this worker keeps itself (0 turns it off).
         #[arg(long, default_value = "256MiB", value_parser = parse_bytes)]
         l0_bytes: u64,
+        /// Memory this worker may use in all (model, L0, KV caches, activations); requests
+        /// that would not fit are refused [default: 80% of physical memory].
+        #[arg(long, value_parser = parse_bytes)]
+        memory_budget: Option<u64>,
     },
     /// Print which MLX library and device this process gets, then exit.
     Probe,
@@ -297,6 +301,7 @@ fn main() -> anyhow::Result<()> {
             queue,
             kvcache_socket,
             l0_bytes,
+            memory_budget,
         } => {
             let serving = match &model {
                 Some(path) => {
@@ -308,7 +313,9 @@ fn main() -> anyhow::Result<()> {
                     };
                     let loaded = args.open(&info.device)?;
                     let id = model_id.unwrap_or_else(|| default_model_id(path));
-                    Some(serving(id, loaded, args.options(), queue))
+                    let budget = memory_budget
+                        .unwrap_or(strata_worker::admission::physical_bytes() / 10 * 8);
+                    Some(serving(id, loaded, args.options(), queue, budget, l0_bytes))
                 }
                 None => None,
             };
@@ -351,7 +358,35 @@ fn default_model_id(path: &std::path::Path) -> String {
 }
 
 /// Puts a loaded model behind the engine thread.
-fn serving(id: String, loaded: LoadedModel, options: EngineOptions, queue: usize) -> Serving {
+fn serving(
+    id: String,
+    loaded: LoadedModel,
+    options: EngineOptions,
+    queue: usize,
+    budget: u64,
+    l0_bytes: u64,
+) -> Serving {
+    // MLX keeps freed buffers for reuse; bound that cache so it cannot eat the budget.
+    let cache_limit = (budget / 8).min(1 << 30);
+    if let Err(e) = mlx_rs::memory::set_cache_limit(cache_limit as usize) {
+        tracing::warn!(error = %e, "could not bound MLX's buffer cache");
+    }
+    // The baseline: the model resident, plus the L0 tier it may fill.
+    let baseline = strata_worker::admission::resident_bytes() + l0_bytes;
+    let admission = strata_worker::admission::Admission::new(
+        budget,
+        baseline,
+        loaded.model.config(),
+        loaded.model.kv_layout(),
+        options.kv_step_tokens,
+        options.prefill_chunk_tokens,
+    );
+    tracing::info!(
+        budget_mib = budget >> 20,
+        baseline_mib = baseline >> 20,
+        mlx_cache_limit_mib = cache_limit >> 20,
+        "memory admission"
+    );
     let config = loaded.model.config();
     let info = InfoResponse {
         model_id: id.clone(),
@@ -368,6 +403,8 @@ fn serving(id: String, loaded: LoadedModel, options: EngineOptions, queue: usize
             "model".into()
         },
         dtype_policy: loaded.policy.to_string(),
+        memory_budget_bytes: budget,
+        memory_baseline_bytes: baseline,
     };
     let context_length = config.context_length;
     let tokenizer = loaded.tokenizer.clone();
@@ -378,6 +415,7 @@ fn serving(id: String, loaded: LoadedModel, options: EngineOptions, queue: usize
         tokenizer,
         template,
         kv_layout: loaded.model.kv_layout(),
+        admission,
         scheduler: Scheduler::start(loaded, options, queue),
         context_length,
         prefix_cache: None,

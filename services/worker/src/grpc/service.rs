@@ -40,6 +40,7 @@ pub struct Serving {
     /// Largest prompt + max_tokens accepted (the model's context).
     pub context_length: usize,
     pub kv_layout: crate::engine::kv::KvLayout,
+    pub admission: crate::admission::Admission,
 }
 
 pub struct WorkerService {
@@ -60,7 +61,7 @@ impl WorkerService {
     fn serving(&self) -> Result<&Arc<Serving>, Status> {
         self.serving
             .as_ref()
-            .ok_or_else(|| Status::failed_precondition("this worker was started without a model"))
+            .ok_or_else(|| Status::unimplemented("this worker was started without a model"))
     }
 }
 
@@ -255,8 +256,16 @@ impl Worker for WorkerService {
             stop_token_ids: req.stop_token_ids,
             ignore_eos: req.ignore_eos,
         };
-        // Refuse what the engine would refuse before queueing it.
+        // Refuse what the engine would refuse, and what would not fit in memory, before
+        // queueing it.
         validate(&serving, &request)?;
+        serving
+            .admission
+            .check(request.prompt.len(), request.max_tokens)
+            .map_err(|e| {
+                tracing::warn!(request_id, "refused: {e}");
+                Status::failed_precondition(e.to_string())
+            })?;
         let prepared = match &serving.prefix_cache {
             Some(pc) => Some(pc.for_tenant(&salt).prepare(&request.prompt).await),
             None => None,

@@ -1,0 +1,155 @@
+//! Memory admission: a request is refused, with the numbers, before anything is allocated
+//! when its KV cache and prefill activations cannot fit in the worker's memory budget next to
+//! the model. A worker must never die of a request it accepted.
+
+use crate::engine::ModelConfig;
+use crate::engine::kv::KvLayout;
+
+/// What one request would need, and what the worker has.
+#[derive(Debug, Clone)]
+pub struct Admission {
+    /// The worker's whole memory budget.
+    pub budget_bytes: u64,
+    /// Resident memory with the model loaded and warmed up, before any request.
+    pub baseline_bytes: u64,
+    kv_bytes_per_token: u64,
+    kv_step_tokens: u64,
+    prefill_chunk_tokens: u64,
+    heads: u64,
+    hidden: u64,
+    intermediate: u64,
+    vocab: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "this request needs about {need_mib} MiB (KV cache for {tokens} tokens at {per_token} bytes each, plus prefill activations), but the worker's memory budget of {budget_mib} MiB leaves {left_mib} MiB next to the model; send a shorter prompt or a smaller max_tokens"
+)]
+pub struct TooBig {
+    pub need_mib: u64,
+    pub tokens: u64,
+    pub per_token: u64,
+    pub budget_mib: u64,
+    pub left_mib: u64,
+}
+
+/// The current process's resident memory, from /proc (Linux) or getrusage (macOS: peak).
+pub fn resident_bytes() -> u64 {
+    #[cfg(target_os = "linux")]
+    {
+        std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("VmRSS:"))
+                    .and_then(|l| l.split_whitespace().nth(1))
+                    .and_then(|kb| kb.parse::<u64>().ok())
+            })
+            .map(|kb| kb * 1024)
+            .unwrap_or(0)
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        // SAFETY: getrusage fills the struct we own.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
+        usage.ru_maxrss as u64
+    }
+}
+
+/// Physical memory of the machine.
+pub fn physical_bytes() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let pages = unsafe { libc::sysconf(libc::_SC_PHYS_PAGES) };
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    (pages.max(0) as u64) * (size.max(0) as u64)
+}
+
+impl Admission {
+    pub fn new(
+        budget_bytes: u64,
+        baseline_bytes: u64,
+        config: &ModelConfig,
+        layout: KvLayout,
+        kv_step_tokens: usize,
+        prefill_chunk_tokens: usize,
+    ) -> Self {
+        Self {
+            budget_bytes,
+            baseline_bytes,
+            kv_bytes_per_token: layout.bytes_per_token() as u64,
+            kv_step_tokens: kv_step_tokens.max(1) as u64,
+            prefill_chunk_tokens: prefill_chunk_tokens.max(1) as u64,
+            heads: config.num_heads as u64,
+            hidden: config.hidden_size as u64,
+            intermediate: config.intermediate_size as u64,
+            vocab: config.vocab_size as u64,
+        }
+    }
+
+    /// Bytes a request of this size needs beyond the baseline: its KV cache (grown in steps)
+    /// and the peak of one prefill chunk (f32 attention scores over the whole context, MLP
+    /// activations, the logits), with 25% for MLX's buffer reuse.
+    pub fn need(&self, prompt_tokens: usize, max_tokens: usize) -> u64 {
+        let tokens = (prompt_tokens + max_tokens) as u64;
+        let kv_tokens = tokens.div_ceil(self.kv_step_tokens) * self.kv_step_tokens;
+        let kv = kv_tokens * self.kv_bytes_per_token;
+        let chunk = self.prefill_chunk_tokens.min(prompt_tokens.max(1) as u64);
+        let scores = 2 * chunk * tokens * self.heads * 4;
+        let mlp = chunk * (4 * self.hidden + 3 * self.intermediate) * 4;
+        let logits = 2 * self.vocab * 4;
+        (kv + scores + mlp + logits) * 5 / 4
+    }
+
+    pub fn check(&self, prompt_tokens: usize, max_tokens: usize) -> Result<u64, TooBig> {
+        let need = self.need(prompt_tokens, max_tokens);
+        let left = self.budget_bytes.saturating_sub(self.baseline_bytes);
+        if need <= left {
+            return Ok(need);
+        }
+        Err(TooBig {
+            need_mib: need >> 20,
+            tokens: (prompt_tokens + max_tokens) as u64,
+            per_token: self.kv_bytes_per_token,
+            budget_mib: self.budget_bytes >> 20,
+            left_mib: left >> 20,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn admission(budget: u64) -> Admission {
+        Admission {
+            budget_bytes: budget,
+            baseline_bytes: 500 << 20,
+            kv_bytes_per_token: 46_080,
+            kv_step_tokens: 256,
+            prefill_chunk_tokens: 256,
+            heads: 9,
+            hidden: 576,
+            intermediate: 1536,
+            vocab: 49_152,
+        }
+    }
+
+    #[test]
+    fn need_grows_with_tokens_and_refusals_carry_the_numbers() {
+        let a = admission(1 << 30);
+        assert!(a.need(100, 100) < a.need(1000, 100));
+        assert!(a.need(1000, 100) < a.need(1000, 4000));
+        assert!(a.check(100, 100).is_ok());
+        let e = a.check(4000, 4000).unwrap_err();
+        assert_eq!(e.tokens, 8000);
+        assert_eq!(e.left_mib, 524);
+        let msg = e.to_string();
+        assert!(
+            msg.contains("8000 tokens") && msg.contains("1024 MiB"),
+            "{msg}"
+        );
+        // A budget below the baseline refuses everything, clearly.
+        assert!(admission(100 << 20).check(1, 1).is_err());
+    }
+}
