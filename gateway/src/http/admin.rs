@@ -76,6 +76,26 @@ async fn workers(State(state): State<AppState>) -> Json<Value> {
             None => json!({"name": m.worker_name(), "kind": "worker", "phase": "unloaded"}),
         };
         v["loaded"] = json!(m.state().is_some());
+        if let Ok(mut client) = m.ready_client() {
+            let mut req = tonic::Request::new(strata_proto::worker::StatsRequest {});
+            req.set_timeout(Duration::from_secs(1));
+            if let Ok(s) = client.stats(req).await {
+                let s = s.into_inner();
+                v["stats"] = json!({
+                    "requests_total": s.requests_total,
+                    "requests_failed": s.requests_failed,
+                    "queue_depth": s.queue_depth,
+                    "queue_capacity": s.queue_capacity,
+                    "running": s.running,
+                    "max_batch": s.max_batch,
+                    "prompt_tokens_total": s.prompt_tokens_total,
+                    "generated_tokens_total": s.generated_tokens_total,
+                    "decode_batch_histogram": s.decode_batch_histogram.iter()
+                        .map(|(k, v)| (k.to_string(), json!(v)))
+                        .collect::<serde_json::Map<_, _>>(),
+                });
+            }
+        }
         v["model"] = json!({"model": m.id, "aliases": m.aliases, "kind": m.kind,
                             "pinned": m.pinned(), "path": m.path});
         out.push(v);

@@ -51,6 +51,9 @@ enum Command {
         /// Requests that may wait for the engine; more are refused (the gateway answers 429).
         #[arg(long, default_value_t = 64)]
         queue: usize,
+        /// Sequences decoded together in one forward pass.
+        #[arg(long, default_value_t = 8)]
+        max_batch: usize,
         /// The cache service's socket: prompts' KV blocks are looked up there and stored there.
         /// Without it, nothing is cached.
         #[arg(long)]
@@ -299,6 +302,7 @@ fn main() -> anyhow::Result<()> {
             block_tokens,
             prefill_chunk_tokens,
             queue,
+            max_batch,
             kvcache_socket,
             l0_bytes,
             memory_budget,
@@ -315,7 +319,15 @@ fn main() -> anyhow::Result<()> {
                     let id = model_id.unwrap_or_else(|| default_model_id(path));
                     let budget = memory_budget
                         .unwrap_or(strata_worker::admission::physical_bytes() / 10 * 8);
-                    Some(serving(id, loaded, args.options(), queue, budget, l0_bytes))
+                    Some(serving(
+                        id,
+                        loaded,
+                        args.options(),
+                        queue,
+                        max_batch,
+                        budget,
+                        l0_bytes,
+                    ))
                 }
                 None => None,
             };
@@ -363,6 +375,7 @@ fn serving(
     loaded: LoadedModel,
     options: EngineOptions,
     queue: usize,
+    max_batch: usize,
     budget: u64,
     l0_bytes: u64,
 ) -> Serving {
@@ -416,7 +429,7 @@ fn serving(
         template,
         kv_layout: loaded.model.kv_layout(),
         admission,
-        scheduler: Scheduler::start(loaded, options, queue),
+        scheduler: Scheduler::start(loaded, options, queue, max_batch),
         context_length,
         prefix_cache: None,
     }

@@ -2,8 +2,11 @@
 //! jobs through a bounded queue and read token events back from a channel per job. A full
 //! queue is refused at once (the gateway answers 429 with Retry-After), never waited on.
 //!
-//! Jobs run one after another for now; continuous batching replaces the loop body with the
-//! batched step (issue [5 of 11]) without changing this interface.
+//! Continuous batching: sequences join and leave the running batch between steps. Each step
+//! runs one prefill chunk (of the sequence with the least prompt left, so a short request is
+//! not stuck behind a long prompt) and then one decode step for every sequence that has a
+//! token to feed, in a single forward pass. A long prefill is thus interleaved with the
+//! tokens of running streams instead of stalling them.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -13,8 +16,9 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 use crate::engine::EngineError;
-use crate::engine::generate::{EngineOptions, GenerateRequest, Generation, Prefix, TokenEvent};
+use crate::engine::generate::{EngineOptions, GenerateRequest, Generation, TokenEvent};
 use crate::engine::loader::LoadedModel;
+use crate::engine::sequence::{Sequence, decode_step};
 use crate::prefix_cache::Prepared;
 
 /// Token events buffered per job before the engine waits for the reader.
@@ -44,6 +48,8 @@ pub struct Counters {
     pub generated_tokens: AtomicU64,
     pub queued: AtomicUsize,
     pub running: AtomicUsize,
+    /// How many sequences each decode forward pass ran together: counts by batch size.
+    pub decode_batches: std::sync::Mutex<std::collections::BTreeMap<u32, u64>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -60,27 +66,29 @@ pub struct Scheduler {
     jobs: SyncSender<Job>,
     pub counters: Arc<Counters>,
     pub capacity: usize,
+    pub max_batch: usize,
 }
 
 impl Scheduler {
     /// Moves `model` onto its own thread and starts taking jobs.
-    pub fn start(model: LoadedModel, options: EngineOptions, capacity: usize) -> Self {
+    pub fn start(
+        model: LoadedModel,
+        options: EngineOptions,
+        capacity: usize,
+        max_batch: usize,
+    ) -> Self {
         let (jobs, rx) = sync_channel::<Job>(capacity);
         let counters = Arc::new(Counters::default());
         let c = counters.clone();
         std::thread::Builder::new()
             .name("engine".into())
-            .spawn(move || {
-                for job in rx {
-                    c.queued.fetch_sub(1, Ordering::Relaxed);
-                    run(&model, &options, job, &c);
-                }
-            })
+            .spawn(move || run(&model, &options, rx, max_batch.max(1), &c))
             .ok();
         Self {
             jobs,
             counters,
             capacity,
+            max_batch,
         }
     }
 
@@ -112,31 +120,150 @@ impl Scheduler {
     }
 }
 
-fn run(model: &LoadedModel, options: &EngineOptions, job: Job, c: &Counters) {
+/// A sequence in the running batch, with where its events and finished blocks go.
+struct Active {
+    seq: Sequence,
+    events: mpsc::Sender<JobEvent>,
+    sink: Option<Box<dyn FnMut(usize, Vec<u8>) + Send>>,
+    queued: Duration,
+    failed: Option<EngineError>,
+}
+
+fn run(
+    model: &LoadedModel,
+    options: &EngineOptions,
+    rx: std::sync::mpsc::Receiver<Job>,
+    max_batch: usize,
+    c: &Counters,
+) {
+    let mut active: Vec<Active> = Vec::new();
+    loop {
+        // Admit: wait when idle, otherwise take what is waiting, up to the batch limit.
+        if active.is_empty() {
+            match rx.recv() {
+                Ok(job) => admit(model, options, job, c, &mut active),
+                Err(_) => return,
+            }
+        }
+        while active.len() < max_batch {
+            match rx.try_recv() {
+                Ok(job) => admit(model, options, job, c, &mut active),
+                Err(_) => break,
+            }
+        }
+        c.running.store(active.len(), Ordering::Relaxed);
+
+        // One prefill chunk: the sequence with the least prompt left goes first.
+        if let Some(a) = active
+            .iter_mut()
+            .filter(|a| a.failed.is_none() && a.seq.needs_prefill())
+            .min_by_key(|a| a.seq.prefill_left())
+        {
+            let sink = a
+                .sink
+                .as_mut()
+                .map(|f| &mut **f as &mut (dyn FnMut(usize, Vec<u8>) + Send));
+            match a.seq.prefill_step(model, sink) {
+                Ok(()) => {
+                    if let Some(logits) = a.seq.take_prefill_logits() {
+                        let events = a.events.clone();
+                        let mut emit = |e: &TokenEvent| {
+                            events.blocking_send(JobEvent::Token(e.clone())).is_ok()
+                        };
+                        if let Err(e) = a.seq.advance(model, &logits, &mut emit) {
+                            a.failed = Some(e);
+                        }
+                    }
+                }
+                Err(e) => a.failed = Some(e),
+            }
+        }
+
+        // One decode step for everyone with a token to feed (batch index -> its events).
+        let senders: Vec<mpsc::Sender<JobEvent>> = active
+            .iter()
+            .filter(|a| a.failed.is_none())
+            .map(|a| a.events.clone())
+            .collect();
+        let mut batch: Vec<&mut Sequence> = active
+            .iter_mut()
+            .filter(|a| a.failed.is_none())
+            .map(|a| &mut a.seq)
+            .collect();
+        let stepped = decode_step(model, &mut batch, &mut |i, e| {
+            senders[i].blocking_send(JobEvent::Token(e.clone())).is_ok()
+        });
+        match stepped {
+            Ok(0) => {}
+            Ok(n) => {
+                let mut h = c.decode_batches.lock().unwrap_or_else(|p| p.into_inner());
+                *h.entry(n as u32).or_default() += 1;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "decode step failed; failing its sequences");
+                for a in active.iter_mut().filter(|a| a.seq.wants_decode()) {
+                    a.failed = Some(EngineError::Mlx(e.to_string()));
+                }
+            }
+        }
+
+        // Retire the finished and the failed.
+        let mut i = 0;
+        while i < active.len() {
+            if active[i].failed.is_some() || active[i].seq.is_finished() {
+                let a = active.swap_remove(i);
+                retire(a, c);
+            } else {
+                i += 1;
+            }
+        }
+    }
+}
+
+/// Starts a job's sequence (validation, cached blocks), or answers it with its error.
+fn admit(
+    model: &LoadedModel,
+    options: &EngineOptions,
+    job: Job,
+    c: &Counters,
+    active: &mut Vec<Active>,
+) {
+    c.queued.fetch_sub(1, Ordering::Relaxed);
     let queued = job.enqueued.elapsed();
     if job.events.is_closed() {
         // The client left while the job waited.
         return;
     }
     c.requests.fetch_add(1, Ordering::Relaxed);
-    c.running.fetch_add(1, Ordering::Relaxed);
-    let (cached_blocks, mut sink) = match job.prefix {
+    let (cached_blocks, sink) = match job.prefix {
         Some(p) => (p.cached, Some(p.sink)),
         None => (Vec::new(), None),
     };
     let cached: Vec<&[u8]> = cached_blocks.iter().map(|b| b.as_ref()).collect();
-    let engine_prefix = Prefix {
-        cached: &cached,
-        on_block: sink
-            .as_mut()
-            .map(|s| &mut **s as &mut (dyn FnMut(usize, Vec<u8>) + Send)),
+    match Sequence::new(model, job.request, options, &cached) {
+        Ok(seq) => active.push(Active {
+            seq,
+            events: job.events,
+            sink,
+            queued,
+            failed: None,
+        }),
+        Err(e) => {
+            c.failed.fetch_add(1, Ordering::Relaxed);
+            let _ = job.events.blocking_send(JobEvent::Done {
+                result: Err(e),
+                queued,
+            });
+        }
+    }
+}
+
+/// Sends a sequence's last event and counts it.
+fn retire(a: Active, c: &Counters) {
+    let result = match a.failed {
+        Some(e) => Err(e),
+        None => a.seq.into_generation(),
     };
-    let result = model.generate_with_prefix(&job.request, options, engine_prefix, |event| {
-        job.events
-            .blocking_send(JobEvent::Token(event.clone()))
-            .is_ok()
-    });
-    c.running.fetch_sub(1, Ordering::Relaxed);
     match &result {
         Ok(g) => {
             c.prompt_tokens
@@ -148,5 +275,8 @@ fn run(model: &LoadedModel, options: &EngineOptions, job: Job, c: &Counters) {
             c.failed.fetch_add(1, Ordering::Relaxed);
         }
     }
-    let _ = job.events.blocking_send(JobEvent::Done { result, queued });
+    let _ = a.events.blocking_send(JobEvent::Done {
+        result,
+        queued: a.queued,
+    });
 }

@@ -2,14 +2,14 @@
 //! boundaries, so every finished block can be stored as it is computed), decode with sampling,
 //! stop tokens and stop strings, incremental detokenisation, usage and timings.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::kv::KvCache;
 use super::llama::SeqChunk;
 use super::loader::LoadedModel;
-use super::sample::{Sampled, Sampler, SamplingParams};
+use super::sample::{Sampled, SamplingParams};
+use super::sequence::{Sequence, decode_step};
 use super::{EngineError, Result};
-use crate::tokenizer::StreamDecoder;
 
 /// Prefill this many tokens per forward pass by default (rounded down to whole blocks).
 pub const DEFAULT_PREFILL_CHUNK_TOKENS: usize = 256;
@@ -200,119 +200,24 @@ impl LoadedModel {
         prefix: Prefix<'_>,
         mut on_token: impl FnMut(&TokenEvent) -> bool,
     ) -> Result<Generation> {
-        self.validate(req)?;
-        let started = Instant::now();
-        let b = self.block_tokens;
-        let mut cache = self.model.new_cache(options.kv_step_tokens);
-        // At least one prompt token is always computed: its logits give the first token.
-        let reusable = (req.prompt.len() - 1) / b;
-        let mut cached_blocks = 0;
-        for bytes in prefix.cached.iter().take(reusable) {
-            if let Err(e) = cache.import(bytes, b) {
-                tracing::warn!(error = %e, "a cached block does not fit this model; computing the prompt");
-                cache = self.model.new_cache(options.kv_step_tokens);
-                cached_blocks = 0;
-                break;
-            }
-            cached_blocks += 1;
-        }
-        let cached_tokens = cached_blocks * b;
+        let mut seq = Sequence::new(self, req.clone(), options, prefix.cached)?;
         let mut on_block = prefix.on_block;
-        let mut stored = cached_blocks;
-        let prompt_blocks = req.prompt.len() / b;
-        let mut logits = self.prefill(&mut cache, &req.prompt[cached_tokens..], options, |c| {
-            if let Some(sink) = on_block.as_mut() {
-                let done = (c.len() / b).min(prompt_blocks);
-                while stored < done {
-                    sink(stored, c.export(stored * b, (stored + 1) * b)?);
-                    stored += 1;
-                }
-            }
-            Ok(())
-        })?;
-        let prefill = started.elapsed();
-
-        let mut sampler = Sampler::new(req.sampling.clone(), &req.prompt);
-        let mut stops = StopMatcher::new(&req.stop);
-        let mut decoder = StreamDecoder::new(true);
-        let mut tokens = Vec::new();
-        let mut logprobs = Vec::new();
-        let mut text = String::new();
-        let mut ttft = None;
-        let finish = loop {
-            let sampled = sampler.sample(&logits);
-            let token = sampled.token;
-            ttft.get_or_insert_with(|| started.elapsed());
-            let is_stop_token = (!req.ignore_eos && self.stop_tokens.contains(&token))
-                || req.stop_token_ids.contains(&token);
-            if is_stop_token {
-                let tail = stops.finish(decoder.flush(&self.tokenizer)?.unwrap_or_default());
-                text.push_str(&tail);
-                // The stop token itself is not output text.
-                if !tail.is_empty() {
-                    on_token(&TokenEvent {
-                        token,
-                        text: tail,
-                        sampled: sampled.clone(),
-                    });
-                }
-                break FinishReason::Stop;
-            }
-            tokens.push(token);
-            if req.sampling.logprobs.is_some() {
-                logprobs.push(sampled.clone());
-            }
-            let delta = decoder.push(&self.tokenizer, token)?.unwrap_or_default();
-            let (emit, hit_stop) = stops.push(&delta);
-            text.push_str(&emit);
-            let go_on = on_token(&TokenEvent {
-                token,
-                text: emit,
-                sampled,
-            });
-            if hit_stop {
-                break FinishReason::Stop;
-            }
-            if !go_on {
-                break FinishReason::Cancelled;
-            }
-            if tokens.len() >= req.max_tokens {
-                let tail = stops.finish(decoder.flush(&self.tokenizer)?.unwrap_or_default());
-                if !tail.is_empty() {
-                    text.push_str(&tail);
-                    on_token(&TokenEvent {
-                        token,
-                        text: tail,
-                        sampled: logprobs.last().cloned().unwrap_or(Sampled {
-                            token,
-                            logprob: None,
-                            top: Vec::new(),
-                        }),
-                    });
-                }
-                break FinishReason::Length;
-            }
-            let out = self.model.forward(&mut [SeqChunk {
-                tokens: &[token],
-                cache: &mut cache,
-            }])?;
-            out.eval()?;
-            logits = out.as_slice::<f32>().to_vec();
-        };
-        let total = started.elapsed();
-        Ok(Generation {
-            prompt_tokens: req.prompt.len(),
-            tokens,
-            text,
-            finish,
-            timings: Timings {
-                prefill,
-                decode: total.saturating_sub(prefill),
-                time_to_first_token: ttft.unwrap_or(total),
-            },
-            logprobs,
-            cached_tokens,
-        })
+        while seq.needs_prefill() {
+            seq.prefill_step(
+                self,
+                on_block
+                    .as_mut()
+                    .map(|f| &mut **f as &mut (dyn FnMut(usize, Vec<u8>) + Send)),
+            )?;
+        }
+        let logits = seq
+            .take_prefill_logits()
+            .ok_or_else(|| EngineError::InvalidRequest("nothing to prefill".into()))?;
+        seq.advance(self, &logits, &mut on_token)?;
+        while !seq.is_finished() {
+            decode_step(self, &mut [&mut seq], &mut |_, e| on_token(e))?;
+        }
+        seq.into_generation()
     }
 }
 

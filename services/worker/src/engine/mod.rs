@@ -9,6 +9,7 @@ pub mod llama;
 pub mod loader;
 pub mod policy;
 pub mod sample;
+pub mod sequence;
 pub mod weights;
 
 pub use config::{Architecture, ModelConfig};

@@ -386,6 +386,12 @@ impl Worker for WorkerService {
             prompt_tokens_total: c.prompt_tokens.load(Ordering::Relaxed),
             generated_tokens_total: c.generated_tokens.load(Ordering::Relaxed),
             queue_capacity: serving.scheduler.capacity as u32,
+            decode_batch_histogram: c
+                .decode_batches
+                .lock()
+                .map(|h| h.iter().map(|(k, v)| (*k, *v)).collect())
+                .unwrap_or_default(),
+            max_batch: serving.scheduler.max_batch as u32,
         }))
     }
 }

@@ -1,0 +1,279 @@
+//! One request as a state machine the scheduler can step: prefill one chunk at a time, then
+//! take the logits of its last position (from the prefill, or from a row of a batched decode
+//! step), sample, stream, and say which token to feed next. `LoadedModel::generate` drives a
+//! single sequence through the same steps, so batched and single runs share every line of it.
+
+use std::time::{Duration, Instant};
+
+use super::generate::StopMatcher;
+use super::generate::{
+    EngineOptions, FinishReason, GenerateRequest, Generation, Timings, TokenEvent,
+};
+use super::kv::KvCache;
+use super::llama::SeqChunk;
+use super::loader::LoadedModel;
+use super::sample::{Sampled, Sampler};
+use super::{EngineError, Result};
+use crate::tokenizer::StreamDecoder;
+
+/// Where the blocks a prefill completes go: (block index in the prompt, bytes).
+pub type BlockSink<'a> = Option<&'a mut (dyn FnMut(usize, Vec<u8>) + Send)>;
+
+pub struct Sequence {
+    req: GenerateRequest,
+    chunk: usize,
+    block: usize,
+    pub cache: KvCache,
+    prefilled: usize,
+    cached_tokens: usize,
+    stored_blocks: usize,
+    sampler: Sampler,
+    stops: StopMatcher,
+    decoder: StreamDecoder,
+    tokens: Vec<u32>,
+    logprobs: Vec<Sampled>,
+    text: String,
+    /// Logits of the last prefilled position, until they are sampled.
+    prefill_logits: Option<Vec<f32>>,
+    /// The token to run through the model next (decode phase).
+    pub pending: [u32; 1],
+    has_pending: bool,
+    started: Instant,
+    prefill_time: Option<Duration>,
+    ttft: Option<Duration>,
+    finish: Option<FinishReason>,
+}
+
+impl Sequence {
+    /// Validates the request and imports cached KV blocks for the prompt's leading full
+    /// blocks (a block that does not fit is dropped and the prompt computed).
+    pub fn new(
+        model: &LoadedModel,
+        req: GenerateRequest,
+        options: &EngineOptions,
+        cached: &[&[u8]],
+    ) -> Result<Self> {
+        model.validate(&req)?;
+        let block = model.block_tokens;
+        let mut cache = model.model.new_cache(options.kv_step_tokens);
+        // At least one prompt token is always computed: its logits give the first token.
+        let reusable = (req.prompt.len() - 1) / block;
+        let mut cached_blocks = 0;
+        for bytes in cached.iter().take(reusable) {
+            if let Err(e) = cache.import(bytes, block) {
+                tracing::warn!(error = %e, "a cached block does not fit this model; computing the prompt");
+                cache = model.model.new_cache(options.kv_step_tokens);
+                cached_blocks = 0;
+                break;
+            }
+            cached_blocks += 1;
+        }
+        let cached_tokens = cached_blocks * block;
+        Ok(Self {
+            sampler: Sampler::new(req.sampling.clone(), &req.prompt),
+            stops: StopMatcher::new(&req.stop),
+            decoder: StreamDecoder::new(true),
+            chunk: model.prefill_chunk(options),
+            block,
+            cache,
+            prefilled: cached_tokens,
+            cached_tokens,
+            stored_blocks: cached_blocks,
+            tokens: Vec::new(),
+            logprobs: Vec::new(),
+            text: String::new(),
+            prefill_logits: None,
+            pending: [0],
+            has_pending: false,
+            started: Instant::now(),
+            prefill_time: None,
+            ttft: None,
+            finish: None,
+            req,
+        })
+    }
+
+    /// Prompt tokens still to prefill.
+    pub fn prefill_left(&self) -> usize {
+        self.req.prompt.len() - self.prefilled
+    }
+
+    pub fn needs_prefill(&self) -> bool {
+        self.prefilled < self.req.prompt.len()
+    }
+
+    /// Ready for a batched decode step (it has a token to feed).
+    pub fn wants_decode(&self) -> bool {
+        self.finish.is_none() && self.has_pending
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.finish.is_some()
+    }
+
+    /// Runs the next prefill chunk, whose end falls on a multiple of the chunk size (so the
+    /// KV is the same whatever was cached), and hands finished prompt blocks to `on_block`.
+    pub fn prefill_step(&mut self, model: &LoadedModel, on_block: BlockSink<'_>) -> Result<()> {
+        let at = self.prefilled;
+        let end = ((at / self.chunk) + 1) * self.chunk;
+        let n = (end - at).min(self.req.prompt.len() - at);
+        let out = model.model.forward(&mut [SeqChunk {
+            tokens: &self.req.prompt[at..at + n],
+            cache: &mut self.cache,
+        }])?;
+        out.eval()?;
+        self.prefilled += n;
+        if let Some(sink) = on_block {
+            let done = (self.cache.len() / self.block).min(self.req.prompt.len() / self.block);
+            while self.stored_blocks < done {
+                let b = self.block;
+                sink(
+                    self.stored_blocks,
+                    self.cache
+                        .export(self.stored_blocks * b, (self.stored_blocks + 1) * b)?,
+                );
+                self.stored_blocks += 1;
+            }
+        }
+        if !self.needs_prefill() {
+            self.prefill_logits = Some(out.as_slice::<f32>().to_vec());
+            self.prefill_time = Some(self.started.elapsed());
+        }
+        Ok(())
+    }
+
+    /// After the prefill: samples the first token from the prefill's logits.
+    pub fn take_prefill_logits(&mut self) -> Option<Vec<f32>> {
+        self.prefill_logits.take()
+    }
+
+    /// Samples from `logits` (this sequence's last position), streams the text through
+    /// `emit` (false: the client is gone), and decides whether to go on. Afterwards either
+    /// the sequence is finished or `pending` holds the token to feed next.
+    pub fn advance(
+        &mut self,
+        model: &LoadedModel,
+        logits: &[f32],
+        emit: &mut dyn FnMut(&TokenEvent) -> bool,
+    ) -> Result<()> {
+        self.has_pending = false;
+        let sampled = self.sampler.sample(logits);
+        let token = sampled.token;
+        self.ttft.get_or_insert_with(|| self.started.elapsed());
+        let is_stop_token = (!self.req.ignore_eos && model.stop_tokens.contains(&token))
+            || self.req.stop_token_ids.contains(&token);
+        if is_stop_token {
+            let tail = self
+                .stops
+                .finish(self.decoder.flush(&model.tokenizer)?.unwrap_or_default());
+            self.text.push_str(&tail);
+            // The stop token itself is not output text.
+            if !tail.is_empty() {
+                emit(&TokenEvent {
+                    token,
+                    text: tail,
+                    sampled,
+                });
+            }
+            self.finish = Some(FinishReason::Stop);
+            return Ok(());
+        }
+        self.tokens.push(token);
+        if self.req.sampling.logprobs.is_some() {
+            self.logprobs.push(sampled.clone());
+        }
+        let delta = self
+            .decoder
+            .push(&model.tokenizer, token)?
+            .unwrap_or_default();
+        let (out, hit_stop) = self.stops.push(&delta);
+        self.text.push_str(&out);
+        let go_on = emit(&TokenEvent {
+            token,
+            text: out,
+            sampled: sampled.clone(),
+        });
+        if hit_stop {
+            self.finish = Some(FinishReason::Stop);
+        } else if !go_on {
+            self.finish = Some(FinishReason::Cancelled);
+        } else if self.tokens.len() >= self.req.max_tokens {
+            let tail = self
+                .stops
+                .finish(self.decoder.flush(&model.tokenizer)?.unwrap_or_default());
+            if !tail.is_empty() {
+                self.text.push_str(&tail);
+                emit(&TokenEvent {
+                    token,
+                    text: tail,
+                    sampled,
+                });
+            }
+            self.finish = Some(FinishReason::Length);
+        } else {
+            self.pending = [token];
+            self.has_pending = true;
+        }
+        Ok(())
+    }
+
+    /// The finished generation.
+    pub fn into_generation(self) -> Result<Generation> {
+        let finish = self
+            .finish
+            .ok_or_else(|| EngineError::Config("generation taken before it finished".into()))?;
+        let total = self.started.elapsed();
+        let prefill = self.prefill_time.unwrap_or(total);
+        Ok(Generation {
+            prompt_tokens: self.req.prompt.len(),
+            tokens: self.tokens,
+            text: self.text,
+            finish,
+            timings: Timings {
+                prefill,
+                decode: total.saturating_sub(prefill),
+                time_to_first_token: self.ttft.unwrap_or(total),
+            },
+            logprobs: self.logprobs,
+            cached_tokens: self.cached_tokens,
+        })
+    }
+}
+
+/// One decode step for every sequence in `batch` that has a token to feed, in one forward
+/// pass; each then samples from its own row. Returns how many sequences ran together.
+pub fn decode_step(
+    model: &LoadedModel,
+    batch: &mut [&mut Sequence],
+    emit: &mut dyn FnMut(usize, &TokenEvent) -> bool,
+) -> Result<usize> {
+    let ready: Vec<usize> = (0..batch.len())
+        .filter(|&i| batch[i].wants_decode())
+        .collect();
+    if ready.is_empty() {
+        return Ok(0);
+    }
+    let logits = {
+        let mut chunks: Vec<SeqChunk<'_>> = Vec::with_capacity(ready.len());
+        for (i, s) in batch.iter_mut().enumerate() {
+            if ready.contains(&i) {
+                let s = &mut **s;
+                chunks.push(SeqChunk {
+                    tokens: &s.pending,
+                    cache: &mut s.cache,
+                });
+            }
+        }
+        let out = model.model.forward(&mut chunks)?;
+        out.eval()?;
+        out.as_slice::<f32>().to_vec()
+    };
+    let vocab = logits.len() / ready.len();
+    for (row, &i) in ready.iter().enumerate() {
+        let seq = &mut *batch[i];
+        seq.advance(model, &logits[row * vocab..(row + 1) * vocab], &mut |e| {
+            emit(i, e)
+        })?;
+    }
+    Ok(ready.len())
+}
