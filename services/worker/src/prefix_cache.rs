@@ -95,12 +95,15 @@ pub struct PrefixCache {
     pub stats: Arc<PrefixStats>,
 }
 
+/// Receives each KV block a prefill completes: (block index in the prompt, bytes).
+pub type BlockSinkFn = Box<dyn FnMut(usize, Vec<u8>) + Send>;
+
 /// What a job takes to the engine: the cached blocks' payloads, and where to send new blocks.
 pub struct Prepared {
     pub cached: Vec<Bytes>,
     /// Where each of `cached` came from, in blocks.
     pub tiers: Tiers,
-    pub sink: Box<dyn FnMut(usize, Vec<u8>) + Send>,
+    pub sink: BlockSinkFn,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

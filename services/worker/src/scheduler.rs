@@ -19,7 +19,7 @@ use crate::engine::EngineError;
 use crate::engine::generate::{EngineOptions, GenerateRequest, Generation, TokenEvent};
 use crate::engine::loader::LoadedModel;
 use crate::engine::sequence::{Sequence, decode_step};
-use crate::prefix_cache::Prepared;
+use crate::prefix_cache::{BlockSinkFn, Prepared};
 
 /// Token events buffered per job before the engine waits for the reader.
 const EVENTS_PER_JOB: usize = 64;
@@ -124,7 +124,7 @@ impl Scheduler {
 struct Active {
     seq: Sequence,
     events: mpsc::Sender<JobEvent>,
-    sink: Option<Box<dyn FnMut(usize, Vec<u8>) + Send>>,
+    sink: Option<BlockSinkFn>,
     queued: Duration,
     failed: Option<EngineError>,
 }
