@@ -5,9 +5,12 @@
 use crate::engine::ModelConfig;
 use crate::engine::kv::KvLayout;
 
-/// What one request would need, and what the worker has.
+/// What one request would need, and what the worker has. Running requests hold
+/// reservations, so that concurrent sequences share the budget instead of each seeing all
+/// of it.
 #[derive(Debug, Clone)]
 pub struct Admission {
+    reserved: std::sync::Arc<std::sync::atomic::AtomicU64>,
     /// The worker's whole memory budget.
     pub budget_bytes: u64,
     /// Resident memory with the model loaded and warmed up, before any request.
@@ -75,6 +78,7 @@ impl Admission {
         prefill_chunk_tokens: usize,
     ) -> Self {
         Self {
+            reserved: Default::default(),
             budget_bytes,
             baseline_bytes,
             kv_bytes_per_token: layout.bytes_per_token() as u64,
@@ -101,6 +105,37 @@ impl Admission {
         (kv + scores + mlp + logits) * 5 / 4
     }
 
+    /// Reserves what a request needs for as long as the returned guard lives. `Busy` when it
+    /// would fit alone but not next to the requests running now (retry later).
+    pub fn reserve(&self, prompt_tokens: usize, max_tokens: usize) -> Result<Reservation, Refusal> {
+        let need = self
+            .check(prompt_tokens, max_tokens)
+            .map_err(Refusal::TooBig)?;
+        let left = self.budget_bytes.saturating_sub(self.baseline_bytes);
+        let taken = self
+            .reserved
+            .fetch_update(
+                std::sync::atomic::Ordering::AcqRel,
+                std::sync::atomic::Ordering::Acquire,
+                |r| (r + need <= left).then_some(r + need),
+            )
+            .is_ok();
+        if !taken {
+            return Err(Refusal::Busy {
+                need_mib: need >> 20,
+                reserved_mib: self.reserved.load(std::sync::atomic::Ordering::Acquire) >> 20,
+            });
+        }
+        Ok(Reservation {
+            reserved: self.reserved.clone(),
+            bytes: need,
+        })
+    }
+
+    pub fn reserved_bytes(&self) -> u64 {
+        self.reserved.load(std::sync::atomic::Ordering::Acquire)
+    }
+
     pub fn check(&self, prompt_tokens: usize, max_tokens: usize) -> Result<u64, TooBig> {
         let need = self.need(prompt_tokens, max_tokens);
         let left = self.budget_bytes.saturating_sub(self.baseline_bytes);
@@ -117,12 +152,36 @@ impl Admission {
     }
 }
 
+#[derive(Debug, thiserror::Error)]
+pub enum Refusal {
+    #[error(transparent)]
+    TooBig(TooBig),
+    #[error(
+        "the worker's memory is taken by running requests ({reserved_mib} MiB reserved; this one needs {need_mib} MiB); retry shortly"
+    )]
+    Busy { need_mib: u64, reserved_mib: u64 },
+}
+
+/// Memory held for a running request; given back when dropped.
+pub struct Reservation {
+    reserved: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    bytes: u64,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.reserved
+            .fetch_sub(self.bytes, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn admission(budget: u64) -> Admission {
         Admission {
+            reserved: Default::default(),
             budget_bytes: budget,
             baseline_bytes: 500 << 20,
             kv_bytes_per_token: 46_080,
@@ -151,5 +210,17 @@ mod tests {
         );
         // A budget below the baseline refuses everything, clearly.
         assert!(admission(100 << 20).check(1, 1).is_err());
+    }
+
+    #[test]
+    fn concurrent_requests_share_the_budget_and_give_it_back() {
+        let a = admission(1 << 30);
+        let need = a.need(2000, 2000);
+        let n = (524 << 20) / need;
+        let held: Vec<Reservation> = (0..n).map(|_| a.reserve(2000, 2000).unwrap()).collect();
+        assert!(matches!(a.reserve(2000, 2000), Err(Refusal::Busy { .. })));
+        drop(held);
+        assert_eq!(a.reserved_bytes(), 0);
+        assert!(a.reserve(2000, 2000).is_ok());
     }
 }

@@ -259,12 +259,19 @@ impl Worker for WorkerService {
         // Refuse what the engine would refuse, and what would not fit in memory, before
         // queueing it.
         validate(&serving, &request)?;
-        serving
+        let reservation = serving
             .admission
-            .check(request.prompt.len(), request.max_tokens)
+            .reserve(request.prompt.len(), request.max_tokens)
             .map_err(|e| {
                 tracing::warn!(request_id, "refused: {e}");
-                Status::failed_precondition(e.to_string())
+                match e {
+                    crate::admission::Refusal::TooBig(_) => {
+                        Status::failed_precondition(e.to_string())
+                    }
+                    crate::admission::Refusal::Busy { .. } => {
+                        Status::resource_exhausted(e.to_string())
+                    }
+                }
             })?;
         let prepared = match &serving.prefix_cache {
             Some(pc) => Some(pc.for_tenant(&salt).prepare(&request.prompt).await),
@@ -288,6 +295,8 @@ impl Worker for WorkerService {
         // The channel is empty: this cannot fail for lack of room.
         let _ = tx.try_send(Ok(started));
         tokio::spawn(async move {
+            // Held until the job has finished (or its client has gone).
+            let _reservation = reservation;
             while let Some(event) = events.recv().await {
                 let message = match event {
                     JobEvent::Token(t) => {
