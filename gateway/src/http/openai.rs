@@ -51,6 +51,8 @@ pub struct Common {
     seed: Option<u64>,
     /// vLLM's extension: requests with different salts never share cached blocks.
     cache_salt: Option<String>,
+    /// vLLM's extension: keep generating past the end-of-sequence token (benchmarks).
+    ignore_eos: Option<bool>,
     // Extensions several servers accept.
     top_k: Option<u32>,
     min_p: Option<f32>,
@@ -136,7 +138,7 @@ impl Common {
             }),
             stop,
             stop_token_ids: Vec::new(),
-            ignore_eos: false,
+            ignore_eos: self.ignore_eos.unwrap_or(false),
             cache_salt: super::cache_salt(tenant, self.cache_salt.as_deref()),
         })
     }

@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""Time to first token with the prefix cache, per tier, through the real cluster (not in CI).
+
+    $STRATA_CACHE/venv/bin/python scripts/bench_prefix_cache.py --bin-dir target/release
+
+For prompts of 1K, 2K and 4K tokens (token ids, so sizes are exact): TTFT cold, with the
+prefix in L0 (the worker), in L1 (the cache service's RAM, after a worker restart), and in
+L2 (its disk, after the cache service is killed, the worker restarted and the page cache
+dropped). The L2 floor is the prefix's KV bytes over the cache directory's raw cold read
+bandwidth (dd) plus one decode step. Prints a markdown table.
+"""
+import argparse
+import json
+import os
+import pathlib
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+KV_BYTES_PER_TOKEN = 46_080  # SmolLM2-135M, f32 KV: 2 * 30 layers * 3 heads * 64 * 4 bytes
+
+
+def post(url, body, token=None, stream=False):
+    headers = {"content-type": "application/json"}
+    if token:
+        headers["authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
+    return urllib.request.urlopen(req, timeout=600)
+
+
+def ttft(base, ids):
+    """Seconds to the first streamed token, and the usage of the request."""
+    started = time.monotonic()
+    first = None
+    usage = None
+    with post(base + "/v1/completions", {"model": "m", "prompt": ids, "max_tokens": 2,
+                                          "temperature": 0, "stream": True,
+                                          "stream_options": {"include_usage": True}}) as r:
+        for line in r:
+            line = line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and first is None:
+                first = time.monotonic() - started
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    return first, usage
+
+
+def health(base):
+    try:
+        with urllib.request.urlopen(base + "/health", timeout=2) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+    except OSError:
+        return None, None
+
+
+def wait_ready(base, proc, log, changed=lambda body: True):
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit("strata up exited; see " + str(log))
+        status, body = health(base)
+        if status == 200 and changed(body):
+            return body
+        time.sleep(0.1)
+    sys.exit("not ready; see " + str(log))
+
+
+def pid_of(body, name):
+    return {c["name"]: c for c in body["children"]}[name]["pid"]
+
+
+def drop_caches():
+    subprocess.run(["sync"])
+    try:
+        pathlib.Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def dd_read_gbps(directory):
+    path = pathlib.Path(directory) / "dd.bin"
+    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=4M", "count=256", "conv=fsync"],
+                   capture_output=True, check=True)
+    drop_caches()
+    started = time.monotonic()
+    subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=4M"], capture_output=True, check=True)
+    secs = time.monotonic() - started
+    path.unlink()
+    return (256 * 4 << 20) / secs / 1e9
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin-dir", default="target/release")
+    ap.add_argument("--sizes", default="1024,2048,4096")
+    args = ap.parse_args()
+    cache = pathlib.Path(os.environ.get("STRATA_CACHE", pathlib.Path.home() / ".cache/strata"))
+    model = cache / "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="strata-prefix-bench-"))
+    log = tmp / "log"
+    proc = subprocess.Popen(
+        [pathlib.Path(args.bin_dir) / "strata", "up", "--bind", f"127.0.0.1:{port}",
+         "--model", str(model), "--model-id", "m", "--run-dir", str(tmp / "run"),
+         "--kv-dir", str(tmp / "kv"), "--kv-ram", "2GiB", "--kv-disk", "8GiB"],
+        stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    rows = []
+    try:
+        body = wait_ready(base, proc, log)
+        token = (tmp / "run" / "admin-token").read_text().strip()
+        raw_gbps = dd_read_gbps(tmp / "kv")
+        rng = random.Random(7)
+        # One decode step, measured on a warm prompt: (time for 17 tokens - TTFT) / 16.
+        warm_ids = [rng.randrange(1000, 40000) for _ in range(64)]
+        ttft(base, warm_ids)
+        started = time.monotonic()
+        with post(base + "/v1/completions", {"model": "m", "prompt": warm_ids, "max_tokens": 17,
+                                              "temperature": 0, "ignore_eos": True}) as r:
+            json.load(r)
+        t17 = time.monotonic() - started
+        t1, _ = ttft(base, warm_ids)
+        decode_step = max(t17 - t1, 0) / 16
+
+        for n in [int(x) for x in args.sizes.split(",")]:
+            ids = [rng.randrange(1000, 40000) for _ in range(n)]
+            cold, u0 = ttft(base, ids)
+            time.sleep(1)  # let the worker's stores reach the cache service
+            l0, u1 = ttft(base, ids)
+
+            def restart_worker():
+                before = pid_of(health(base)[1], "worker-m")
+                post(base + "/admin/api/workers/m/restart", {}, token).read()
+                wait_ready(base, proc, log, lambda b: pid_of(b, "worker-m") != before)
+
+            restart_worker()
+            l1, u2 = ttft(base, ids)
+            kv_pid = pid_of(health(base)[1], "kvcache")
+            os.kill(kv_pid, 9)
+            wait_ready(base, proc, log, lambda b: pid_of(b, "kvcache") != kv_pid)
+            restart_worker()
+            dropped = drop_caches()
+            l2, u3 = ttft(base, ids)
+            cached = u3["prompt_tokens_details"]["cached_tokens"]
+            floor = cached * KV_BYTES_PER_TOKEN / (raw_gbps * 1e9) + decode_step
+            rows.append((n, cold, l0, l1, l2, floor, cached, dropped,
+                         [u["strata_cached_tokens_by_tier"] for u in (u1, u2, u3)]))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+    print(f"SmolLM2-135M (f32 KV, {KV_BYTES_PER_TOKEN} B/token), {os.cpu_count()} cores; "
+          f"raw cold read of the cache dir {raw_gbps:.2f} GB/s; decode step {decode_step * 1e3:.0f} ms")
+    print("| prompt tokens | cold TTFT (s) | L0 hit (s) | L1 hit (s) | L2 hit, cold cache (s) | "
+          "L2 floor (s) | cold / L2 | L2 / floor | cached tokens |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for n, cold, l0, l1, l2, floor, cached, dropped, tiers in rows:
+        print(f"| {n} | {cold:.2f} | {l0:.2f} | {l1:.2f} | {l2:.2f}{'' if dropped else ' (warm: not root)'} "
+              f"| {floor:.3f} | {cold / l2:.1f}x | {l2 / floor:.1f}x | {cached} |")
+    for n, *_, tiers in rows:
+        print(f"tiers reported for {n}: L0 run {tiers[0]}, L1 run {tiers[1]}, L2 run {tiers[2]}")
+
+
+if __name__ == "__main__":
+    main()
