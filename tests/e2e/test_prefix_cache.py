@@ -72,16 +72,34 @@ def restart_worker(cluster):
     pytest.fail("worker not restarted:\n" + cluster.log())
 
 
-def probe(cluster, question="What is the capital of France?"):
+def admin(cluster, path, body=None):
     token = (cluster.run_dir / "admin-token").read_text().strip()
-    body = {"model": MODEL, "messages": [{"role": "system", "content": SYSTEM},
-                                         {"role": "user", "content": question}]}
-    req = urllib.request.Request(cluster.url + "/admin/api/cache/probe",
-                                 data=json.dumps(body).encode(), method="POST",
+    req = urllib.request.Request(cluster.url + path,
+                                 data=None if body is None else json.dumps(body).encode(),
+                                 method="GET" if body is None else "POST",
                                  headers={"authorization": f"Bearer {token}",
                                           "content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as r:
-        return json.load(r)["blocks"]
+        return json.load(r)
+
+
+def probe(cluster, question="What is the capital of France?"):
+    """Where each full block is, and the partial tail after them: (blocks, partial tier)."""
+    r = admin(cluster, "/admin/api/cache/probe",
+              {"model": MODEL, "messages": [{"role": "system", "content": SYSTEM},
+                                            {"role": "user", "content": question}]})
+    return r["blocks"], (r["partial"] or {}).get("tier")
+
+
+def complete(cluster, ids, salt, breaks=None):
+    """A completion from token ids: (generated tokens, usage)."""
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="x", max_retries=0)
+    extra = {"cache_salt": salt, "ignore_eos": True}
+    if breaks:
+        extra["prefill_breaks"] = breaks
+    r = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=16,
+                                  logprobs=1, extra_body=extra)
+    return r.choices[0].logprobs.tokens, r.usage
 
 
 def tiers(usage):
@@ -101,15 +119,20 @@ def wait_stored(cluster, blocks):
 
 
 def test_a_repeated_prefix_is_reused_from_ram_and_disk_with_identical_tokens(cluster):
-    assert set(probe(cluster)) == {"none"}
+    blocks, partial = probe(cluster)
+    assert set(blocks) == {"none"} and partial is None
     cold, usage = ask(cluster)
     assert usage.prompt_tokens > 3 * BLOCK, usage
     assert usage.prompt_tokens_details.cached_tokens == 0
-    full_blocks = (usage.prompt_tokens - 1) // BLOCK
-    wait_stored(cluster, usage.prompt_tokens // BLOCK)
+    # Everything but the last token is cached: the full blocks and the partial tail (the
+    # last token is computed for the first token's logits).
+    body = usage.prompt_tokens - 1
+    assert body % BLOCK, "the prompt should end inside a block"
+    full = usage.prompt_tokens // BLOCK
+    wait_stored(cluster, full + 1)
 
-    cached = full_blocks * BLOCK
-    assert probe(cluster) == ["l0"] * (usage.prompt_tokens // BLOCK)
+    cached = body
+    assert probe(cluster) == (["l0"] * full, "l0")
     warm, usage = ask(cluster)
     assert usage.prompt_tokens_details.cached_tokens == cached
     assert tiers(usage) == (cached, 0, 0)
@@ -117,7 +140,7 @@ def test_a_repeated_prefix_is_reused_from_ram_and_disk_with_identical_tokens(clu
 
     # A new worker has no L0: the blocks come from the cache service's RAM.
     restart_worker(cluster)
-    assert probe(cluster) == ["l1"] * (usage.prompt_tokens // BLOCK)
+    assert probe(cluster) == (["l1"] * full, "l1")
     from_ram, usage = ask(cluster)
     assert usage.prompt_tokens_details.cached_tokens == cached
     assert tiers(usage) == (0, cached, 0)
@@ -128,11 +151,34 @@ def test_a_repeated_prefix_is_reused_from_ram_and_disk_with_identical_tokens(clu
     os.kill(pid, signal.SIGKILL)
     wait_kvcache_back(cluster, pid)
     restart_worker(cluster)
-    assert probe(cluster) == ["l2"] * (usage.prompt_tokens // BLOCK)
+    assert probe(cluster) == (["l2"] * full, "l2")
     from_disk, usage = ask(cluster)
     assert usage.prompt_tokens_details.cached_tokens == cached
     assert tiers(usage) == (0, 0, cached)
     assert from_disk == cold
+
+
+def test_the_partial_tail_of_an_earlier_prompt_is_reused(cluster):
+    ids = [1000 + (i * 37) % 5000 for i in range(3 * BLOCK + 60)]
+    salt = "partial-tail"
+    # The first turn's body ends 100 tokens into its third block.
+    first = ids[:2 * BLOCK + 101]
+    _, usage = complete(cluster, first, salt)
+    assert usage.prompt_tokens_details.cached_tokens == 0
+    # The next turn extends it and resumes from that partial block.
+    warm, usage = complete(cluster, ids, salt)
+    resumed = 2 * BLOCK + 100
+    assert usage.prompt_tokens_details.cached_tokens == resumed
+    assert tiers(usage) == (resumed, 0, 0)
+    # With the cache out of the way (a fresh salt) and the same chunk boundaries, the same
+    # tokens. Chunk boundaries change float rounding, so this is the exact comparison.
+    cold, usage = complete(cluster, ids, "partial-tail-cold", breaks=[resumed])
+    assert usage.prompt_tokens_details.cached_tokens == 0
+    assert warm == cold
+    # The same prompt again resumes at its own last token, the new partial tail included.
+    again, usage = complete(cluster, ids, salt)
+    assert usage.prompt_tokens_details.cached_tokens == len(ids) - 1
+    assert again == warm
 
 
 def test_a_hung_cache_service_costs_a_bounded_wait_not_a_failure(cluster):
@@ -164,10 +210,12 @@ def test_a_corrupted_block_file_is_never_used(cluster):
         data[-1] ^= 0x55
         f.write_bytes(bytes(data))
     restart_worker(cluster)  # empty L0: the blocks must come from the cache service
+    before = admin(cluster, "/admin/api/cache/stats")["corrupt_blocks"]
     tokens, usage = ask(cluster, question)
     assert tokens == cold
     # The first block is corrupt, so nothing before it can be used.
     assert usage.prompt_tokens_details.cached_tokens == 0
+    assert admin(cluster, "/admin/api/cache/stats")["corrupt_blocks"] > before
 
 
 def test_tenants_with_different_salts_never_share_blocks(cluster):

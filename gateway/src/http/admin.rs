@@ -281,13 +281,22 @@ async fn cache_probe(
         .await
         .map_err(|e| super::error::from_worker_status(&e))?
         .into_inner();
-    let usable = r.blocks.iter().take_while(|t| *t != "none").count() as u32 * r.block_tokens;
+    let body = r.prompt_tokens.saturating_sub(1);
+    let leading = r.blocks.iter().take_while(|t| *t != "none").count() as u32 * r.block_tokens;
+    let mut usable = leading.min(body / r.block_tokens * r.block_tokens);
+    let partial = if r.partial_tokens > 0 {
+        usable += r.partial_tokens;
+        json!({"tier": r.partial_tier, "tokens": r.partial_tokens})
+    } else {
+        Value::Null
+    };
     Ok(Json(json!({
         "model": model.id,
         "prompt_tokens": r.prompt_tokens,
         "block_tokens": r.block_tokens,
         "blocks": r.blocks,
-        "cached_prefix_tokens": usable.min(r.prompt_tokens.saturating_sub(1) / r.block_tokens * r.block_tokens),
+        "partial": partial,
+        "cached_prefix_tokens": usable,
     }))
     .into_response())
 }

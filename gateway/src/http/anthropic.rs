@@ -182,6 +182,7 @@ pub async fn messages(
         stop,
         stop_token_ids: Vec::new(),
         ignore_eos: false,
+        prefill_breaks: Vec::new(),
         cache_salt: super::cache_salt(tenant.as_deref(), req.cache_salt.as_deref()),
     };
     let stream = generation::start(&model, worker_req, state.request_timeout, FLAVOR).await?;

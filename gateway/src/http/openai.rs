@@ -53,6 +53,10 @@ pub struct Common {
     cache_salt: Option<String>,
     /// vLLM's extension: keep generating past the end-of-sequence token (benchmarks).
     ignore_eos: Option<bool>,
+    /// Strata's extension: extra prefill chunk ends (token positions), to reproduce exactly
+    /// the arithmetic of a run that resumed from a cached partial block (verification).
+    #[serde(default)]
+    prefill_breaks: Vec<u32>,
     // Extensions several servers accept.
     top_k: Option<u32>,
     min_p: Option<f32>,
@@ -117,6 +121,9 @@ impl Common {
                 Stop::Many(v) => v.clone(),
             })
             .unwrap_or_default();
+        if self.prefill_breaks.len() > 64 {
+            return Err(ApiError::invalid("at most 64 prefill_breaks").param("prefill_breaks"));
+        }
         if stop.len() > 16 {
             return Err(ApiError::invalid("at most 16 stop sequences").param("stop"));
         }
@@ -140,6 +147,7 @@ impl Common {
             stop_token_ids: Vec::new(),
             ignore_eos: self.ignore_eos.unwrap_or(false),
             cache_salt: super::cache_salt(tenant, self.cache_salt.as_deref()),
+            prefill_breaks: self.prefill_breaks.clone(),
         })
     }
 }

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use strata_proto::kvcache::kv_cache_client::KvCacheClient;
-use strata_proto::kvcache::{Block, FetchRequest};
+use strata_proto::kvcache::{Block, FetchRequest, ReportRequest};
 use tonic::transport::Channel;
 
 use crate::block::{self, BlockKey};
@@ -40,6 +40,20 @@ impl CacheClient {
     /// The raw gRPC client, for the calls this wrapper does not cover.
     pub fn rpc(&mut self) -> &mut KvCacheClient<Channel> {
         &mut self.rpc
+    }
+
+    /// Tells the service that the file of `key` did not verify (bounded wait; a failure only
+    /// means the service finds out on its own later).
+    async fn report(&mut self, namespace: &str, key: &BlockKey) {
+        let mut req = tonic::Request::new(ReportRequest {
+            namespace: namespace.to_string(),
+            key: key.0.to_vec(),
+        });
+        req.set_timeout(Duration::from_secs(1));
+        match self.rpc.report(req).await {
+            Ok(r) => tracing::info!(dropped = r.into_inner().dropped, "bad block file reported"),
+            Err(e) => tracing::warn!(error = %e.message(), "reporting a bad block file failed"),
+        }
     }
 
     /// The leading blocks of `keys` that the service still holds and that verify, in order.
@@ -95,8 +109,11 @@ impl CacheClient {
             };
             match next.await {
                 Ok(Ok(block)) => out.push(block),
-                Ok(Err(why)) => {
-                    tracing::warn!(why, "cache block unusable; computing from here");
+                Ok(Err(bad)) => {
+                    tracing::warn!(why = bad.why, "cache block unusable; computing from here");
+                    if bad.from_file {
+                        self.report(namespace, &keys[out.len()]).await;
+                    }
                     break;
                 }
                 Err(e) => {
@@ -114,21 +131,29 @@ impl CacheClient {
 /// A fetched message as a verified block: read from its file when the service sent a
 /// reference, and checked either way (key, namespace, checksum): the worker trusts nothing it
 /// did not verify.
-fn resolve(message: Block, key: &BlockKey, namespace: &str) -> Result<Block, String> {
+fn resolve(message: Block, key: &BlockKey, namespace: &str) -> Result<Block, Unusable> {
+    let bad = |why: String, from_file: bool| Unusable { why, from_file };
     let block = match &message.file {
         Some(file) => block::read_file_verified(Path::new(&file.path), key)
-            .map_err(|e| format!("{}: {e}", file.path))?,
+            .map_err(|e| bad(format!("{}: {e}", file.path), true))?,
         None => {
             match block::verify(&message) {
                 Ok(k) if k == *key => {}
-                Ok(_) => return Err("the service sent another block".into()),
-                Err(e) => return Err(e.to_string()),
+                Ok(_) => return Err(bad("the service sent another block".into(), false)),
+                Err(e) => return Err(bad(e.to_string(), false)),
             }
             message
         }
     };
     match block.header.as_ref() {
         Some(h) if h.namespace == namespace => Ok(block),
-        _ => Err("block of another namespace".into()),
+        _ => Err(bad("block of another namespace".into(), false)),
     }
+}
+
+/// Why a fetched block was not used, and whether it was read from a file (then the service,
+/// which has not seen the bad bytes, is told).
+struct Unusable {
+    why: String,
+    from_file: bool,
 }

@@ -65,6 +65,12 @@ enum Command {
         /// that would not fit are refused [default: 80% of physical memory].
         #[arg(long, value_parser = parse_bytes)]
         memory_budget: Option<u64>,
+        /// Also cache blocks of generated tokens, so that the next turn of a chat can skip
+        /// them. Off by default: KV computed while decoding rounds differently from KV computed
+        /// by a prefill, so a later hit on such a block is close to, but not bit-identical
+        /// with, computing it.
+        #[arg(long)]
+        store_decode_kv: bool,
     },
     /// Print which MLX library and device this process gets, then exit.
     Probe,
@@ -269,6 +275,7 @@ fn main() -> anyhow::Result<()> {
                 stop,
                 stop_token_ids: Vec::new(),
                 ignore_eos: false,
+                prefill_breaks: Vec::new(),
             };
             use std::io::Write;
             let mut stdout = std::io::stdout();
@@ -306,6 +313,7 @@ fn main() -> anyhow::Result<()> {
             kvcache_socket,
             l0_bytes,
             memory_budget,
+            store_decode_kv,
         } => {
             let serving = match &model {
                 Some(path) => {
@@ -322,7 +330,10 @@ fn main() -> anyhow::Result<()> {
                     Some(serving(
                         id,
                         loaded,
-                        args.options(),
+                        EngineOptions {
+                            store_decode_kv,
+                            ..args.options()
+                        },
                         queue,
                         max_batch,
                         budget,

@@ -14,13 +14,14 @@ use std::time::{Duration, Instant};
 use prost::bytes::Bytes;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
-use strata_kvcache::block::{BlockKey, make_block_of};
+use strata_kvcache::block::{BlockKey, make_block_of, root_of};
 use strata_kvcache::client::CacheClient;
 
 use strata_proto::kvcache::{Block, LookupRequest, Tier};
 use tokio::sync::mpsc;
 
 use crate::engine::kv::KvLayout;
+use crate::engine::sequence::FinishedBlock;
 
 /// How long a lookup may take before the prompt is computed instead.
 const LOOKUP_DEADLINE: Duration = Duration::from_secs(1);
@@ -32,9 +33,59 @@ pub struct PrefixStats {
     pub lookups: AtomicU64,
     pub lookup_failures: AtomicU64,
     pub blocks_fetched: AtomicU64,
+    pub partial_hits: AtomicU64,
     pub blocks_stored: AtomicU64,
     pub blocks_store_dropped: AtomicU64,
     pub store_failures: AtomicU64,
+    /// Service hits not fetched because recomputing them was estimated to be faster.
+    pub fetches_skipped_by_cost: AtomicU64,
+}
+
+/// Fetch or recompute: a hit in the cache service is fetched only if moving its bytes is
+/// expected to take less time than computing its tokens, from what this worker measured
+/// (fetch bandwidth of its own fetches, lookup included, and prefill speed of its own
+/// requests). With nothing measured yet, hits are fetched. On a CPU, computing a block takes
+/// seconds and fetching it milliseconds; the rule matters on fast accelerators, where a few
+/// small blocks can be cheaper to recompute than to ask for.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct CostModel {
+    fetch_bytes_per_sec: Option<f64>,
+    prefill_tokens_per_sec: Option<f64>,
+}
+
+impl CostModel {
+    /// Weight of a new measurement in the running averages.
+    const ALPHA: f64 = 0.3;
+
+    fn blend(old: Option<f64>, new: f64) -> Option<f64> {
+        Some(match old {
+            Some(o) => o * (1.0 - Self::ALPHA) + new * Self::ALPHA,
+            None => new,
+        })
+    }
+
+    pub fn record_fetch(&mut self, bytes: u64, took: Duration) {
+        let secs = took.as_secs_f64();
+        if bytes > 0 && secs > 0.0 {
+            self.fetch_bytes_per_sec = Self::blend(self.fetch_bytes_per_sec, bytes as f64 / secs);
+        }
+    }
+
+    pub fn record_prefill(&mut self, tokens: usize, took: Duration) {
+        let secs = took.as_secs_f64();
+        if tokens > 0 && secs > 0.0 {
+            self.prefill_tokens_per_sec =
+                Self::blend(self.prefill_tokens_per_sec, tokens as f64 / secs);
+        }
+    }
+
+    /// Whether fetching `bytes` beats computing `tokens`.
+    pub fn worth_fetching(&self, tokens: usize, bytes: u64) -> bool {
+        match (self.fetch_bytes_per_sec, self.prefill_tokens_per_sec) {
+            (Some(bw), Some(tps)) => bytes as f64 / bw < tokens as f64 / tps,
+            _ => true,
+        }
+    }
 }
 
 /// L0: blocks this worker computed or fetched recently, least recently used out first.
@@ -44,6 +95,9 @@ struct L0 {
     tick: u64,
     entries: HashMap<BlockKey, (Bytes, u64)>,
     order: BTreeMap<u64, BlockKey>,
+    /// Partial blocks by parent: (token ids, key). Entries whose block was evicted are
+    /// skipped and pruned on lookup.
+    partials: HashMap<BlockKey, Vec<(Vec<u32>, BlockKey)>>,
 }
 
 impl L0 {
@@ -74,14 +128,55 @@ impl L0 {
         self.entries.insert(key, (bytes, self.tick));
         self.used_bytes += size;
     }
+
+    fn insert_partial(&mut self, parent: BlockKey, tokens: Vec<u32>, key: BlockKey, bytes: Bytes) {
+        self.insert(key, bytes);
+        if !self.entries.contains_key(&key) {
+            return;
+        }
+        let list = self.partials.entry(parent).or_default();
+        if !list.iter().any(|(_, k)| *k == key) {
+            list.push((tokens, key));
+        }
+    }
+
+    /// The longest held partial block under `parent` whose tokens start `tail`.
+    fn find_partial(
+        &mut self,
+        parent: &BlockKey,
+        tail: &[u32],
+    ) -> Option<(Bytes, usize, BlockKey)> {
+        let list = self.partials.get_mut(parent)?;
+        list.retain(|(_, k)| self.entries.contains_key(k));
+        let (tokens, key) = list
+            .iter()
+            .filter(|(t, _)| tail.starts_with(t))
+            .max_by_key(|(t, _)| t.len())?
+            .clone();
+        let bytes = self.get(&key)?;
+        Some((bytes, tokens.len(), key))
+    }
 }
 
-/// Cached blocks of one prompt by tier.
+/// Cached tokens of one prompt by tier.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Tiers {
     pub l0: usize,
     pub l1: usize,
     pub l2: usize,
+}
+
+impl Tiers {
+    pub fn total(&self) -> usize {
+        self.l0 + self.l1 + self.l2
+    }
+
+    fn add(&mut self, tier: Tier, tokens: usize) {
+        match tier {
+            Tier::Disk => self.l2 += tokens,
+            _ => self.l1 += tokens,
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -93,15 +188,17 @@ pub struct PrefixCache {
     layout: (u32, u32, u32, &'static str),
     store: mpsc::Sender<Block>,
     pub stats: Arc<PrefixStats>,
+    cost: Arc<Mutex<CostModel>>,
 }
 
-/// Receives each KV block a prefill completes: (block index in the prompt, bytes).
-pub type BlockSinkFn = Box<dyn FnMut(usize, Vec<u8>) + Send>;
+/// Receives each KV block a sequence finishes.
+pub type BlockSinkFn = Box<dyn FnMut(FinishedBlock) + Send>;
 
-/// What a job takes to the engine: the cached blocks' payloads, and where to send new blocks.
+/// What a job takes to the engine: the cached KV (payload, tokens), whole blocks then maybe
+/// a partial one, and where to send new blocks.
 pub struct Prepared {
-    pub cached: Vec<Bytes>,
-    /// Where each of `cached` came from, in blocks.
+    pub cached: Vec<(Bytes, usize)>,
+    /// Where the cached tokens came from.
     pub tiers: Tiers,
     pub sink: BlockSinkFn,
 }
@@ -142,6 +239,7 @@ impl PrefixCache {
                 tick: 0,
                 entries: HashMap::new(),
                 order: BTreeMap::new(),
+                partials: HashMap::new(),
             })),
             namespace: namespace.into(),
             block_tokens,
@@ -153,6 +251,33 @@ impl PrefixCache {
             ),
             store,
             stats,
+            cost: Arc::new(Mutex::new(CostModel::default())),
+        }
+    }
+
+    pub fn stats_message(&self) -> strata_proto::worker::PrefixCacheStats {
+        let s = &self.stats;
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let cost = *lock(&self.cost);
+        strata_proto::worker::PrefixCacheStats {
+            lookups: get(&s.lookups),
+            lookup_failures: get(&s.lookup_failures),
+            blocks_fetched: get(&s.blocks_fetched),
+            partial_hits: get(&s.partial_hits),
+            blocks_stored: get(&s.blocks_stored),
+            blocks_store_dropped: get(&s.blocks_store_dropped),
+            store_failures: get(&s.store_failures),
+            fetches_skipped_by_cost: get(&s.fetches_skipped_by_cost),
+            fetch_bytes_per_sec: cost.fetch_bytes_per_sec.unwrap_or(0.0),
+            prefill_tokens_per_sec: cost.prefill_tokens_per_sec.unwrap_or(0.0),
+        }
+    }
+
+    /// Feeds the cost model with a finished request's prefill: `tokens` computed in `took`.
+    pub fn record_prefill(&self, tokens: usize, took: Duration) {
+        // Short prefills are dominated by fixed costs and would understate the speed.
+        if tokens >= 64 {
+            lock(&self.cost).record_prefill(tokens, took);
         }
     }
 
@@ -181,79 +306,154 @@ impl PrefixCache {
             .collect()
     }
 
-    /// Looks up and fetches the leading blocks of `prompt` that can be reused (at least one
-    /// token is always left to compute, for the first token's logits), and prepares the sink
-    /// for the blocks the prefill will complete.
+    /// Looks up and fetches the KV that can be reused for `prompt`: its leading whole blocks
+    /// and then the longest partial block that continues them, from L0 first, then from the
+    /// cache service (one Lookup). The last prompt token is never covered (the engine computes
+    /// it for the first token's logits). Also prepares the sink for the blocks the sequence
+    /// will finish.
     pub async fn prepare(&self, prompt: &[u32]) -> Prepared {
+        let b = self.block_tokens;
         let keys = self.keys(prompt);
-        let reusable = ((prompt.len().saturating_sub(1)) / self.block_tokens).min(keys.len());
+        let body = prompt.len().saturating_sub(1);
+        let reusable = (body / b).min(keys.len());
         let mut cached = Vec::new();
+        let mut tiers = Tiers::default();
+        let mut l0_partial = None;
         {
             let mut l0 = lock(&self.l0);
             for k in &keys[..reusable] {
                 match l0.get(k) {
-                    Some(b) => cached.push(b),
+                    Some(bytes) => cached.push((bytes, b)),
                     None => break,
                 }
             }
-        }
-        let mut tiers = Tiers {
-            l0: cached.len(),
-            ..Tiers::default()
-        };
-        if cached.len() < reusable {
-            let from = cached.len();
-            let fetched = self.fetch(&keys[from..reusable]).await;
-            let mut l0 = lock(&self.l0);
-            for (i, (bytes, tier)) in fetched.into_iter().enumerate() {
-                match tier {
-                    Tier::Disk => tiers.l2 += 1,
-                    _ => tiers.l1 += 1,
-                }
-                l0.insert(keys[from + i], bytes.clone());
-                cached.push(bytes);
+            let h = cached.len();
+            if body > h * b {
+                let parent = self.parent_of(&keys, h);
+                l0_partial = l0.find_partial(&parent, &prompt[h * b..body]);
             }
         }
+        tiers.l0 = cached.len() * b;
+        let in_l0 = cached.len();
+        let remote = self.fetch(prompt, &keys[..reusable], in_l0).await;
+        let mut l0 = lock(&self.l0);
+        for (i, (bytes, tier)) in remote.blocks.into_iter().enumerate() {
+            tiers.add(tier, b);
+            l0.insert(keys[in_l0 + i], bytes.clone());
+            cached.push((bytes, b));
+        }
+        // The longer partial of L0's and the service's (only one can continue the blocks).
+        let h = cached.len();
+        match (remote.partial, l0_partial) {
+            (Some((bytes, n, key, tier)), local)
+                if h > in_l0 || local.as_ref().is_none_or(|(_, m, _)| n > *m) =>
+            {
+                tiers.add(tier, n);
+                let parent = self.parent_of(&keys, h);
+                l0.insert_partial(
+                    parent,
+                    prompt[h * b..h * b + n].to_vec(),
+                    key,
+                    bytes.clone(),
+                );
+                cached.push((bytes, n));
+                self.stats.partial_hits.fetch_add(1, Ordering::Relaxed);
+            }
+            (_, Some((bytes, n, _))) if h == in_l0 => {
+                tiers.l0 += n;
+                cached.push((bytes, n));
+                self.stats.partial_hits.fetch_add(1, Ordering::Relaxed);
+            }
+            _ => {}
+        }
+        drop(l0);
+        Prepared {
+            cached,
+            tiers,
+            sink: self.sink(prompt, keys),
+        }
+    }
+
+    /// The key a block at `index` hangs under (the namespace's root for the first).
+    fn parent_of(&self, keys: &[BlockKey], index: usize) -> BlockKey {
+        match index.checked_sub(1).and_then(|i| keys.get(i)) {
+            Some(k) => *k,
+            None => root_of(&self.namespace),
+        }
+    }
+
+    /// Where a sequence's finished blocks go: L0 at once, the cache service asynchronously
+    /// (dropped, and counted, if the store queue is full: decode never waits). The chain of
+    /// keys grows with blocks of generated tokens in the opt-in mode.
+    fn sink(&self, prompt: &[u32], mut chain: Vec<BlockKey>) -> BlockSinkFn {
         let this = self.clone();
-        let tokens = prompt.to_vec();
-        let sink = Box::new(move |index: usize, bytes: Vec<u8>| {
+        let prompt_len = prompt.len();
+        Box::new(move |block: FinishedBlock| {
             let b = this.block_tokens;
-            let Some(ids) = tokens.get(index * b..(index + 1) * b) else {
+            if block.index > chain.len() || block.tokens.is_empty() || block.tokens.len() > b {
                 return;
-            };
-            let parent = index.checked_sub(1).and_then(|i| keys.get(i));
-            let block = make_block_of(
+            }
+            let parent = block.index.checked_sub(1).map(|i| chain[i]);
+            let key = BlockKey::chain(&this.namespace, parent.as_ref(), &block.tokens);
+            let partial = block.tokens.len() < b;
+            if !partial && block.index == chain.len() {
+                chain.push(key);
+            }
+            if !partial && chain[block.index] != key {
+                // Not this prompt's block: never store it under another key.
+                return;
+            }
+            let made = make_block_of(
                 &this.namespace,
-                parent,
-                ids.to_vec(),
+                parent.as_ref(),
+                block.tokens.clone(),
                 b as u32,
                 this.layout,
-                bytes,
+                block.bytes,
             );
-            lock(&this.l0).insert(keys[index], block.payload.clone());
+            {
+                let mut l0 = lock(&this.l0);
+                if partial {
+                    let parent = parent.unwrap_or_else(|| root_of(&this.namespace));
+                    l0.insert_partial(parent, block.tokens, key, made.payload.clone());
+                } else {
+                    l0.insert(key, made.payload.clone());
+                }
+            }
+            tracing::trace!(index = block.index, partial, prompt_len, "block finished");
             if this.client.is_none() {
                 return;
             }
-            if this.store.try_send(block).is_err() {
+            if this.store.try_send(made).is_err() {
                 this.stats
                     .blocks_store_dropped
                     .fetch_add(1, Ordering::Relaxed);
             }
-        });
-        Prepared {
-            cached,
-            tiers,
-            sink,
-        }
+        })
     }
 
     /// Where each full block of `prompt` is now: "l0", "l1", "l2" or "none" (one lookup per
-    /// block not in L0, so blocks past a gap are reported too).
-    pub async fn probe(&self, prompt: &[u32]) -> Vec<&'static str> {
+    /// block not in L0, so blocks past a gap are reported too); and the partial block a
+    /// request would resume from after the body's full blocks, if all of them are cached.
+    pub async fn probe(
+        &self,
+        prompt: &[u32],
+    ) -> (Vec<&'static str>, Option<(&'static str, usize)>) {
+        let b = self.block_tokens;
         let keys = self.keys(prompt);
-        let in_l0: Vec<bool> = {
-            let l0 = lock(&self.l0);
-            keys.iter().map(|k| l0.entries.contains_key(k)).collect()
+        let body = prompt.len().saturating_sub(1);
+        let h = (body / b).min(keys.len());
+        let (in_l0, l0_partial) = {
+            let mut l0 = lock(&self.l0);
+            let held: Vec<bool> = keys.iter().map(|k| l0.entries.contains_key(k)).collect();
+            let parent = self.parent_of(&keys, h);
+            let partial = if body > h * b {
+                l0.find_partial(&parent, &prompt[h * b..body])
+                    .map(|(_, n, _)| n)
+            } else {
+                None
+            };
+            (held, partial)
         };
         let mut out = Vec::with_capacity(keys.len());
         for (k, l0) in keys.iter().zip(in_l0) {
@@ -275,22 +475,43 @@ impl PrefixCache {
                 Ok(r) => r.into_inner().blocks.first().map(|b| b.tier),
                 Err(_) => None,
             };
-            out.push(match tier.and_then(|t| Tier::try_from(t).ok()) {
-                Some(Tier::Ram) => "l1",
-                Some(Tier::Disk) => "l2",
-                _ => "none",
-            });
+            out.push(tier_name(tier));
         }
-        out
+        let mut partial = l0_partial.map(|n| ("l0", n));
+        let all_held = out[..h].iter().all(|t| *t != "none");
+        if let (Some(client), true) = (&self.client, all_held && body > h * b) {
+            let mut req = tonic::Request::new(LookupRequest {
+                namespace: self.namespace.to_string(),
+                keys: keys[..h].iter().map(|k| k.0.to_vec()).collect(),
+                prompt_tokens: prompt[..body].to_vec(),
+                block_tokens: b as u32,
+            });
+            req.set_timeout(LOOKUP_DEADLINE);
+            if let Ok(r) = client.clone().rpc().lookup(req).await {
+                let r = r.into_inner();
+                let n = r.partial_tokens as usize;
+                if r.blocks.len() == h && n > partial.map_or(0, |(_, m)| m) {
+                    partial = Some((tier_name(r.partial.map(|p| p.tier)), n));
+                }
+            }
+        }
+        (out, partial.filter(|_| all_held))
     }
 
-    /// The leading blocks of `keys` the cache service holds, with the tier each came from.
-    async fn fetch(&self, keys: &[BlockKey]) -> Vec<(Bytes, Tier)> {
+    /// What the cache service adds to the `have` leading blocks of `keys` found in L0: the
+    /// next held blocks, then maybe a partial block continuing them, each with its tier. One
+    /// Lookup over the whole chain (so the service can match a partial under the last block),
+    /// then one streamed Fetch of what is missing, unless the cost model says recomputing it
+    /// is faster.
+    async fn fetch(&self, prompt: &[u32], keys: &[BlockKey], have: usize) -> Remote {
+        let mut out = Remote::default();
         let Some(client) = &self.client else {
-            return Vec::new();
+            return out;
         };
-        if keys.is_empty() {
-            return Vec::new();
+        let b = self.block_tokens;
+        let body = prompt.len().saturating_sub(1);
+        if keys.len() == have && body == have * b {
+            return out;
         }
         self.stats.lookups.fetch_add(1, Ordering::Relaxed);
         let started = Instant::now();
@@ -298,54 +519,125 @@ impl PrefixCache {
         let mut req = tonic::Request::new(LookupRequest {
             namespace: self.namespace.to_string(),
             keys: keys.iter().map(|k| k.0.to_vec()).collect(),
-            ..Default::default()
+            prompt_tokens: prompt[..body].to_vec(),
+            block_tokens: b as u32,
         });
         req.set_timeout(LOOKUP_DEADLINE);
-        let tiers: Vec<Tier> = match client.rpc().lookup(req).await {
-            Ok(r) => r
-                .into_inner()
-                .blocks
-                .iter()
-                .map(|b| Tier::try_from(b.tier).unwrap_or(Tier::Ram))
-                .collect(),
+        let found = match client.rpc().lookup(req).await {
+            Ok(r) => r.into_inner(),
             Err(e) => {
                 self.stats.lookup_failures.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(error = %e.message(), "cache service lookup failed; computing the prompt");
-                return Vec::new();
+                return out;
             }
         };
-        let held = tiers.len();
-        if held == 0 {
-            return Vec::new();
+        let held = found.blocks.len();
+        if held < have {
+            // The service holds less than L0: nothing to add.
+            return out;
+        }
+        let mut wanted: Vec<BlockKey> = keys[have..held].to_vec();
+        let mut tiers: Vec<Tier> = found.blocks[have..]
+            .iter()
+            .map(|l| Tier::try_from(l.tier).unwrap_or(Tier::Ram))
+            .collect();
+        let partial_tokens = found.partial_tokens as usize;
+        let partial = found
+            .partial
+            .as_ref()
+            .and_then(|p| BlockKey::from_slice(&p.key).map(|k| (k, p.tier)))
+            .filter(|(key, _)| {
+                // Only a partial block of exactly these tokens under this parent.
+                let start = held * b;
+                partial_tokens > 0
+                    && partial_tokens < b
+                    && start + partial_tokens <= body
+                    && *key
+                        == BlockKey::chain(
+                            &self.namespace,
+                            held.checked_sub(1).map(|i| &keys[i]),
+                            &prompt[start..start + partial_tokens],
+                        )
+            });
+        if let Some((key, tier)) = partial {
+            wanted.push(key);
+            tiers.push(Tier::try_from(tier).unwrap_or(Tier::Ram));
+        }
+        if wanted.is_empty() {
+            return out;
+        }
+        let tokens = (held - have) * b + partial.map_or(0, |_| partial_tokens);
+        let bytes = tokens as u64 * self.bytes_per_token();
+        if !lock(&self.cost).worth_fetching(tokens, bytes) {
+            self.stats
+                .fetches_skipped_by_cost
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::info!(
+                tokens,
+                bytes,
+                "cached blocks not fetched: recomputing them is estimated to be faster"
+            );
+            return out;
         }
         // Generous for big prefixes, bounded for a stuck service: 1 s plus 100 ms per block.
-        let deadline = Duration::from_secs(1) + Duration::from_millis(100) * held as u32;
-        match client
-            .fetch_prefix(&self.namespace, &keys[..held], deadline)
+        let deadline = Duration::from_secs(1) + Duration::from_millis(100) * wanted.len() as u32;
+        let blocks = match client
+            .fetch_prefix(&self.namespace, &wanted, deadline)
             .await
         {
-            Ok(blocks) => {
-                self.stats
-                    .blocks_fetched
-                    .fetch_add(blocks.len() as u64, Ordering::Relaxed);
-                tracing::debug!(
-                    blocks = blocks.len(),
-                    ms = started.elapsed().as_millis() as u64,
-                    "prefix fetched"
-                );
-                blocks
-                    .into_iter()
-                    .zip(tiers)
-                    .map(|(b, t)| (b.payload, t))
-                    .collect()
-            }
+            Ok(blocks) => blocks,
             Err(e) => {
                 self.stats.lookup_failures.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(error = %e, "cache service fetch failed; computing the prompt");
-                Vec::new()
+                return out;
+            }
+        };
+        let took = started.elapsed();
+        let fetched_bytes: u64 = blocks.iter().map(|b| b.payload.len() as u64).sum();
+        lock(&self.cost).record_fetch(fetched_bytes, took);
+        self.stats
+            .blocks_fetched
+            .fetch_add(blocks.len() as u64, Ordering::Relaxed);
+        tracing::debug!(
+            blocks = blocks.len(),
+            ms = took.as_millis() as u64,
+            "prefix fetched"
+        );
+        let whole = held - have;
+        for (i, (block, tier)) in blocks.into_iter().zip(tiers).enumerate() {
+            if i < whole {
+                out.blocks.push((block.payload, tier));
+            } else if let Some((key, _)) = partial {
+                out.partial = Some((block.payload, partial_tokens, key, tier));
             }
         }
+        out
     }
+
+    fn bytes_per_token(&self) -> u64 {
+        let (layers, heads, dim, dtype) = self.layout;
+        let elem = match dtype {
+            "float32" => 4,
+            _ => 2,
+        };
+        2 * u64::from(layers) * u64::from(heads) * u64::from(dim) * elem
+    }
+}
+
+fn tier_name(tier: Option<i32>) -> &'static str {
+    match tier.and_then(|t| Tier::try_from(t).ok()) {
+        Some(Tier::Ram) => "l1",
+        Some(Tier::Disk) => "l2",
+        _ => "none",
+    }
+}
+
+/// What the cache service had for a prompt beyond L0.
+#[derive(Default)]
+struct Remote {
+    blocks: Vec<(Bytes, Tier)>,
+    /// (payload, tokens, key, tier)
+    partial: Option<(Bytes, usize, BlockKey, Tier)>,
 }
 
 /// Sends stored blocks to the cache service, as many per Store call as are waiting.

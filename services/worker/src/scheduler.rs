@@ -18,7 +18,7 @@ use tokio::sync::mpsc;
 use crate::engine::EngineError;
 use crate::engine::generate::{EngineOptions, GenerateRequest, Generation, TokenEvent};
 use crate::engine::loader::LoadedModel;
-use crate::engine::sequence::{Sequence, decode_step};
+use crate::engine::sequence::{CachedKv, FinishedBlock, Sequence, decode_step};
 use crate::prefix_cache::{BlockSinkFn, Prepared};
 
 /// Token events buffered per job before the engine waits for the reader.
@@ -162,7 +162,7 @@ fn run(
             let sink = a
                 .sink
                 .as_mut()
-                .map(|f| &mut **f as &mut (dyn FnMut(usize, Vec<u8>) + Send));
+                .map(|f| &mut **f as &mut (dyn FnMut(FinishedBlock) + Send));
             match a.seq.prefill_step(model, sink) {
                 Ok(()) => {
                     if let Some(logits) = a.seq.take_prefill_logits() {
@@ -239,7 +239,13 @@ fn admit(
         Some(p) => (p.cached, Some(p.sink)),
         None => (Vec::new(), None),
     };
-    let cached: Vec<&[u8]> = cached_blocks.iter().map(|b| b.as_ref()).collect();
+    let cached: Vec<CachedKv<'_>> = cached_blocks
+        .iter()
+        .map(|(bytes, tokens)| CachedKv {
+            bytes: bytes.as_ref(),
+            tokens: *tokens,
+        })
+        .collect();
     match Sequence::new(model, job.request, options, &cached) {
         Ok(seq) => active.push(Active {
             seq,
@@ -259,10 +265,19 @@ fn admit(
 }
 
 /// Sends a sequence's last event and counts it.
-fn retire(a: Active, c: &Counters) {
+fn retire(mut a: Active, c: &Counters) {
     let result = match a.failed {
         Some(e) => Err(e),
-        None => a.seq.into_generation(),
+        None => {
+            let sink = a
+                .sink
+                .as_mut()
+                .map(|f| &mut **f as &mut (dyn FnMut(FinishedBlock) + Send));
+            if let Err(e) = a.seq.finish_blocks(sink) {
+                tracing::warn!(error = %e, "storing generated blocks failed");
+            }
+            a.seq.into_generation()
+        }
     };
     match &result {
         Ok(g) => {

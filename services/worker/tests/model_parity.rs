@@ -94,6 +94,7 @@ fn opts(chunk: usize) -> EngineOptions {
     EngineOptions {
         prefill_chunk_tokens: chunk,
         kv_step_tokens: 64,
+        ..EngineOptions::default()
     }
 }
 

@@ -8,7 +8,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use strata_proto::kvcache::kv_cache_server::KvCache;
 use strata_proto::kvcache::{
     Block, BlockLocation, ClearRequest, ClearResponse, FetchRequest, HealthRequest, HealthResponse,
-    LookupRequest, LookupResponse, StatsRequest, StatsResponse, StoreResponse,
+    LookupRequest, LookupResponse, ReportRequest, ReportResponse, StatsRequest, StatsResponse,
+    StoreResponse,
 };
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
@@ -263,6 +264,20 @@ impl KvCache for KvCacheService {
         Ok(Response::new(ClearResponse {
             blocks_removed: removed,
         }))
+    }
+
+    async fn report(
+        &self,
+        req: Request<ReportRequest>,
+    ) -> Result<Response<ReportResponse>, Status> {
+        let key = BlockKey::from_slice(&req.into_inner().key)
+            .ok_or_else(|| Status::invalid_argument("a key is 32 bytes"))?;
+        let store = self.store.clone();
+        let dropped = tokio::task::spawn_blocking(move || store.verify_reported(&key))
+            .await
+            .map_err(internal)?
+            .map_err(internal)?;
+        Ok(Response::new(ReportResponse { dropped }))
     }
 
     async fn health(

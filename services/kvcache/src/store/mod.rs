@@ -396,6 +396,25 @@ impl Store {
         }
     }
 
+    /// Checks the file of `key` after a client reported it bad: a corrupt file is dropped and
+    /// counted (the client's word alone drops nothing). Returns whether it was dropped.
+    pub fn verify_reported(&self, key: &BlockKey) -> Result<bool, DiskError> {
+        let located = lock(&self.inner.disk).locate(key);
+        let Some((path, _)) = located else {
+            return Ok(false);
+        };
+        let outcome = disk::read_located(&path, key);
+        let outcome = lock(&self.inner.disk).settle(key, outcome)?;
+        match outcome {
+            ReadOutcome::Corrupt(why) => {
+                self.inner.counters.corrupt.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(key = ?key, why, "corrupt block reported by a client dropped");
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
     /// Like `fetch`, but a block that is on disk comes back as a reference to its file, for a
     /// caller on this host to read and verify itself: the zero-copy path. A block in RAM that
     /// is also on disk is sent as a file too, since its file is then almost always in the

@@ -8,7 +8,7 @@ use super::kv::KvCache;
 use super::llama::SeqChunk;
 use super::loader::LoadedModel;
 use super::sample::{Sampled, SamplingParams};
-use super::sequence::{Sequence, decode_step};
+use super::sequence::{CachedKv, FinishedBlock, Sequence, decode_step};
 use super::{EngineError, Result};
 
 /// Prefill this many tokens per forward pass by default (rounded down to whole blocks).
@@ -25,6 +25,10 @@ pub struct GenerateRequest {
     pub stop_token_ids: Vec<u32>,
     /// Keep going past the model's EOS (benchmarks).
     pub ignore_eos: bool,
+    /// Extra prefill chunk ends (absolute positions). A warm run that resumed from a partial
+    /// block ends a chunk where that block ended; a cold run given the same breaks repeats
+    /// its arithmetic exactly (used to verify partial-tail hits).
+    pub prefill_breaks: Vec<usize>,
 }
 
 impl GenerateRequest {
@@ -36,6 +40,7 @@ impl GenerateRequest {
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
             ignore_eos: false,
+            prefill_breaks: Vec::new(),
         }
     }
 }
@@ -85,8 +90,8 @@ pub struct Generation {
 /// layout).
 #[derive(Default)]
 pub struct Prefix<'a> {
-    pub cached: &'a [&'a [u8]],
-    pub on_block: Option<&'a mut (dyn FnMut(usize, Vec<u8>) + Send)>,
+    pub cached: &'a [CachedKv<'a>],
+    pub on_block: Option<&'a mut (dyn FnMut(FinishedBlock) + Send)>,
 }
 
 /// Options of the engine itself (not of one request).
@@ -95,6 +100,8 @@ pub struct EngineOptions {
     pub prefill_chunk_tokens: usize,
     /// KV buffers grow by this many tokens at a time.
     pub kv_step_tokens: usize,
+    /// Also store blocks of generated tokens (opt-in; see `Sequence::finish_blocks`).
+    pub store_decode_kv: bool,
 }
 
 impl Default for EngineOptions {
@@ -102,6 +109,7 @@ impl Default for EngineOptions {
         Self {
             prefill_chunk_tokens: DEFAULT_PREFILL_CHUNK_TOKENS,
             kv_step_tokens: 256,
+            store_decode_kv: false,
         }
     }
 }
@@ -207,7 +215,7 @@ impl LoadedModel {
                 self,
                 on_block
                     .as_mut()
-                    .map(|f| &mut **f as &mut (dyn FnMut(usize, Vec<u8>) + Send)),
+                    .map(|f| &mut **f as &mut (dyn FnMut(FinishedBlock) + Send)),
             )?;
         }
         let logits = seq
@@ -217,6 +225,11 @@ impl LoadedModel {
         while !seq.is_finished() {
             decode_step(self, &mut [&mut seq], &mut |_, e| on_token(e))?;
         }
+        seq.finish_blocks(
+            on_block
+                .as_mut()
+                .map(|f| &mut **f as &mut (dyn FnMut(FinishedBlock) + Send)),
+        )?;
         seq.into_generation()
     }
 }

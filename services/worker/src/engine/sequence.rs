@@ -16,8 +16,24 @@ use super::sample::{Sampled, Sampler};
 use super::{EngineError, Result};
 use crate::tokenizer::StreamDecoder;
 
-/// Where the blocks a prefill completes go: (block index in the prompt, bytes).
-pub type BlockSink<'a> = Option<&'a mut (dyn FnMut(usize, Vec<u8>) + Send)>;
+/// A block of KV a sequence finished computing, for the cache: its index in the sequence, its
+/// token ids (fewer than a block for the prompt's partial tail) and its bytes.
+pub struct FinishedBlock {
+    pub index: usize,
+    pub tokens: Vec<u32>,
+    pub bytes: Vec<u8>,
+}
+
+/// Where finished blocks go.
+pub type BlockSink<'a> = Option<&'a mut (dyn FnMut(FinishedBlock) + Send)>;
+
+/// KV brought from the cache for the start of a prompt, in order: whole blocks, then at most
+/// one partial block.
+#[derive(Clone, Copy)]
+pub struct CachedKv<'a> {
+    pub bytes: &'a [u8],
+    pub tokens: usize,
+}
 
 pub struct Sequence {
     req: GenerateRequest,
@@ -26,7 +42,11 @@ pub struct Sequence {
     pub cache: KvCache,
     prefilled: usize,
     cached_tokens: usize,
+    /// Whole blocks imported or handed to the sink.
     stored_blocks: usize,
+    /// Whether blocks of generated tokens are handed to the sink too (opt-in: decode KV is
+    /// not bit-identical to prefill KV).
+    store_decode: bool,
     sampler: Sampler,
     stops: StopMatcher,
     decoder: StreamDecoder,
@@ -45,30 +65,37 @@ pub struct Sequence {
 }
 
 impl Sequence {
-    /// Validates the request and imports cached KV blocks for the prompt's leading full
-    /// blocks (a block that does not fit is dropped and the prompt computed).
+    /// Validates the request and imports cached KV for the start of the prompt: whole blocks,
+    /// then maybe a partial one. KV that does not fit is dropped and the prompt computed. The
+    /// last prompt token is never imported: it is computed alone, for the first token's
+    /// logits, in cold and warm runs alike (see `prefill_step`).
     pub fn new(
         model: &LoadedModel,
         req: GenerateRequest,
         options: &EngineOptions,
-        cached: &[&[u8]],
+        cached: &[CachedKv<'_>],
     ) -> Result<Self> {
         model.validate(&req)?;
         let block = model.block_tokens;
+        let body = req.prompt.len() - 1;
         let mut cache = model.model.new_cache(options.kv_step_tokens);
-        // At least one prompt token is always computed: its logits give the first token.
-        let reusable = (req.prompt.len() - 1) / block;
-        let mut cached_blocks = 0;
-        for bytes in cached.iter().take(reusable) {
-            if let Err(e) = cache.import(bytes, block) {
-                tracing::warn!(error = %e, "a cached block does not fit this model; computing the prompt");
-                cache = model.model.new_cache(options.kv_step_tokens);
-                cached_blocks = 0;
+        let mut imported = 0;
+        for kv in cached {
+            let fits = kv.tokens > 0
+                && imported % block == 0
+                && kv.tokens <= block
+                && imported + kv.tokens <= body;
+            if !fits {
                 break;
             }
-            cached_blocks += 1;
+            if let Err(e) = cache.import(kv.bytes, kv.tokens) {
+                tracing::warn!(error = %e, "a cached block does not fit this model; computing the prompt");
+                cache = model.model.new_cache(options.kv_step_tokens);
+                imported = 0;
+                break;
+            }
+            imported += kv.tokens;
         }
-        let cached_tokens = cached_blocks * block;
         Ok(Self {
             sampler: Sampler::new(req.sampling.clone(), &req.prompt),
             stops: StopMatcher::new(&req.stop),
@@ -76,9 +103,10 @@ impl Sequence {
             chunk: model.prefill_chunk(options),
             block,
             cache,
-            prefilled: cached_tokens,
-            cached_tokens,
-            stored_blocks: cached_blocks,
+            prefilled: imported,
+            cached_tokens: imported,
+            stored_blocks: imported / block,
+            store_decode: options.store_decode_kv,
             tokens: Vec::new(),
             logprobs: Vec::new(),
             text: String::new(),
@@ -111,33 +139,100 @@ impl Sequence {
         self.finish.is_some()
     }
 
-    /// Runs the next prefill chunk, whose end falls on a multiple of the chunk size (so the
-    /// KV is the same whatever was cached), and hands finished prompt blocks to `on_block`.
+    /// Runs the next prefill chunk and hands finished prompt blocks to `on_block`.
+    ///
+    /// Chunk ends depend only on absolute positions, never on what was cached: the multiples
+    /// of the chunk size, the request's `prefill_breaks`, the end of the prompt's body (all but
+    /// the last token) and the end. MLX's results for a row depend on the shape of the
+    /// matmul it is part of, so this is what makes a warm run repeat a cold run's arithmetic
+    /// bit for bit. The last token always runs alone, so that a prompt whose body is fully
+    /// cached, partial tail included, computes just one token before its first output.
     pub fn prefill_step(&mut self, model: &LoadedModel, on_block: BlockSink<'_>) -> Result<()> {
         let at = self.prefilled;
-        let end = ((at / self.chunk) + 1) * self.chunk;
-        let n = (end - at).min(self.req.prompt.len() - at);
+        let len = self.req.prompt.len();
+        let body = len - 1;
+        let end = if at < body {
+            let next_chunk = (at / self.chunk + 1) * self.chunk;
+            let next_break = self
+                .req
+                .prefill_breaks
+                .iter()
+                .copied()
+                .filter(|&b| b > at)
+                .min()
+                .unwrap_or(usize::MAX);
+            next_chunk.min(next_break).min(body)
+        } else {
+            len
+        };
         let out = model.model.forward(&mut [SeqChunk {
-            tokens: &self.req.prompt[at..at + n],
+            tokens: &self.req.prompt[at..end],
             cache: &mut self.cache,
         }])?;
         out.eval()?;
-        self.prefilled += n;
+        self.prefilled = end;
         if let Some(sink) = on_block {
-            let done = (self.cache.len() / self.block).min(self.req.prompt.len() / self.block);
+            let b = self.block;
+            let done = (self.cache.len() / b).min(len / b);
             while self.stored_blocks < done {
-                let b = self.block;
-                sink(
-                    self.stored_blocks,
-                    self.cache
-                        .export(self.stored_blocks * b, (self.stored_blocks + 1) * b)?,
-                );
+                let i = self.stored_blocks;
+                sink(FinishedBlock {
+                    index: i,
+                    tokens: self.req.prompt[i * b..(i + 1) * b].to_vec(),
+                    bytes: self.cache.export(i * b, (i + 1) * b)?,
+                });
                 self.stored_blocks += 1;
+            }
+            // The body's partial tail, unless it came from the cache whole.
+            let tail_start = body / b * b;
+            if end == body && body > tail_start && self.cached_tokens < body {
+                sink(FinishedBlock {
+                    index: body / b,
+                    tokens: self.req.prompt[tail_start..body].to_vec(),
+                    bytes: self.cache.export(tail_start, body)?,
+                });
             }
         }
         if !self.needs_prefill() {
             self.prefill_logits = Some(out.as_slice::<f32>().to_vec());
             self.prefill_time = Some(self.started.elapsed());
+        }
+        Ok(())
+    }
+
+    /// At the end of a generation, in the opt-in mode: hands the whole blocks that hold
+    /// generated tokens to `on_block` (their KV came from decode steps, which round
+    /// differently from a prefill, so a later hit on them is not bit-identical to computing
+    /// them).
+    pub fn finish_blocks(&mut self, on_block: BlockSink<'_>) -> Result<()> {
+        let Some(sink) = on_block else {
+            return Ok(());
+        };
+        if !self.store_decode || self.needs_prefill() {
+            return Ok(());
+        }
+        let b = self.block;
+        let held = self.cache.len();
+        let done = held / b;
+        if done <= self.stored_blocks {
+            return Ok(());
+        }
+        let all: Vec<u32> = self
+            .req
+            .prompt
+            .iter()
+            .chain(self.tokens.iter())
+            .copied()
+            .take(held)
+            .collect();
+        while self.stored_blocks < done {
+            let i = self.stored_blocks;
+            sink(FinishedBlock {
+                index: i,
+                tokens: all[i * b..(i + 1) * b].to_vec(),
+                bytes: self.cache.export(i * b, (i + 1) * b)?,
+            });
+            self.stored_blocks += 1;
         }
         Ok(())
     }

@@ -255,6 +255,7 @@ impl Worker for WorkerService {
             stop: req.stop,
             stop_token_ids: req.stop_token_ids,
             ignore_eos: req.ignore_eos,
+            prefill_breaks: req.prefill_breaks.iter().map(|&b| b as usize).collect(),
         };
         // Refuse what the engine would refuse, and what would not fit in memory, before
         // queueing it.
@@ -278,7 +279,7 @@ impl Worker for WorkerService {
             None => None,
         };
         let tiers = prepared.as_ref().map(|p| p.tiers).unwrap_or_default();
-        let block = serving.info.block_tokens;
+        let cost_model = serving.prefix_cache.clone();
         let mut events = serving
             .scheduler
             .submit(request, prepared)
@@ -314,6 +315,9 @@ impl Worker for WorkerService {
                         })
                     }
                     JobEvent::Done { result, queued } => {
+                        if let (Ok(g), Some(pc)) = (&result, &cost_model) {
+                            pc.record_prefill(g.prompt_tokens - g.cached_tokens, g.timings.prefill);
+                        }
                         result.map_err(engine_status).map(|g| GenerateEvent {
                             event: Some(generate_event::Event::Done(pb::GenerateDone {
                                 finish_reason: finish_reason(g.finish) as i32,
@@ -323,9 +327,9 @@ impl Worker for WorkerService {
                                     cached_tokens: g.cached_tokens as u32,
                                     // Per tier, when every planned block was used (a block
                                     // the engine refused means the prompt was computed).
-                                    cached_tokens_l0: tier_tokens(&g, tiers.l0, block, tiers),
-                                    cached_tokens_l1: tier_tokens(&g, tiers.l1, block, tiers),
-                                    cached_tokens_l2: tier_tokens(&g, tiers.l2, block, tiers),
+                                    cached_tokens_l0: tier_tokens(&g, tiers.l0, tiers),
+                                    cached_tokens_l1: tier_tokens(&g, tiers.l1, tiers),
+                                    cached_tokens_l2: tier_tokens(&g, tiers.l2, tiers),
                                 }),
                                 timings: Some(pb::Timings {
                                     queue_ms: queued.as_secs_f64() * 1e3,
@@ -373,14 +377,19 @@ impl Worker for WorkerService {
         let (_, ids) = tokio::task::spawn_blocking(move || s2.tokenize(prompt))
             .await
             .map_err(internal)??;
-        let blocks = match &serving.prefix_cache {
+        let (blocks, partial) = match &serving.prefix_cache {
             Some(pc) => pc.for_tenant(&salt).probe(&ids).await,
-            None => vec!["none"; ids.len() / serving.info.block_tokens as usize],
+            None => (
+                vec!["none"; ids.len() / serving.info.block_tokens as usize],
+                None,
+            ),
         };
         Ok(Response::new(pb::ProbeResponse {
             prompt_tokens: ids.len() as u32,
             block_tokens: serving.info.block_tokens,
             blocks: blocks.into_iter().map(String::from).collect(),
+            partial_tier: partial.map(|(t, _)| t.to_string()).unwrap_or_default(),
+            partial_tokens: partial.map_or(0, |(_, n)| n as u32),
         }))
     }
 
@@ -401,19 +410,18 @@ impl Worker for WorkerService {
                 .map(|h| h.iter().map(|(k, v)| (*k, *v)).collect())
                 .unwrap_or_default(),
             max_batch: serving.scheduler.max_batch as u32,
+            prefix_cache: serving.prefix_cache.as_ref().map(|pc| pc.stats_message()),
         }))
     }
 }
 
 fn tier_tokens(
     g: &crate::engine::generate::Generation,
-    blocks: usize,
-    block: u32,
+    tokens: usize,
     all: crate::prefix_cache::Tiers,
 ) -> u32 {
-    let planned = (all.l0 + all.l1 + all.l2) * block as usize;
-    if planned > 0 && g.cached_tokens == planned {
-        blocks as u32 * block
+    if all.total() > 0 && g.cached_tokens == all.total() {
+        tokens as u32
     } else {
         0
     }

@@ -1,0 +1,169 @@
+//! Resuming a prompt from cached KV on the real SmolLM2: whole blocks, a partial tail block of
+//! the same prompt, a partial block of an earlier shorter prompt, and the opt-in storing of
+//! generated tokens' blocks. A warm run must produce the cold run's tokens exactly.
+
+mod common;
+
+use strata_worker::engine::DtypePolicy;
+use strata_worker::engine::generate::{EngineOptions, GenerateRequest, Generation, Prefix};
+use strata_worker::engine::loader::{self, LoadedModel};
+use strata_worker::engine::sequence::{CachedKv, FinishedBlock};
+
+const BLOCK: usize = 256;
+
+fn model() -> LoadedModel {
+    loader::open(&common::smollm2_gguf(), DtypePolicy::F32, BLOCK).unwrap()
+}
+
+/// Token ids of a long, varied text, cut to `n`.
+fn prompt(m: &LoadedModel, n: usize) -> Vec<u32> {
+    let text = (0..200)
+        .map(|i| {
+            format!(
+                "Fact {i}: the sea at harbour {} is {} metres deep.",
+                i * 7 % 13,
+                i * 31 % 97
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" ");
+    let ids = m.tokenizer.encode(&text).unwrap();
+    assert!(ids.len() >= n, "{} tokens", ids.len());
+    ids[..n].to_vec()
+}
+
+/// Runs `req` from `cached`, returning the generation and the blocks it handed out.
+fn run(
+    m: &LoadedModel,
+    req: &GenerateRequest,
+    options: &EngineOptions,
+    cached: &[CachedKv<'_>],
+) -> (Generation, Vec<FinishedBlock>) {
+    let mut blocks = Vec::new();
+    let mut sink = |b: FinishedBlock| blocks.push(b);
+    let g = m
+        .generate_with_prefix(
+            req,
+            options,
+            Prefix {
+                cached,
+                on_block: Some(&mut sink),
+            },
+            |_| true,
+        )
+        .unwrap();
+    (g, blocks)
+}
+
+fn kv(blocks: &[FinishedBlock]) -> Vec<CachedKv<'_>> {
+    blocks
+        .iter()
+        .map(|b| CachedKv {
+            bytes: &b.bytes,
+            tokens: b.tokens.len(),
+        })
+        .collect()
+}
+
+fn shape(blocks: &[FinishedBlock]) -> Vec<(usize, usize)> {
+    blocks.iter().map(|b| (b.index, b.tokens.len())).collect()
+}
+
+#[test]
+fn a_prompt_resumed_from_cached_blocks_gives_the_tokens_of_a_cold_run() {
+    let m = model();
+    // Three whole blocks and a tail of 100 tokens; the body (all but the last token) ends
+    // 99 tokens into the fourth block.
+    let prompt = prompt(&m, 3 * BLOCK + 100);
+    let body = prompt.len() - 1;
+    let req = GenerateRequest::greedy(prompt.clone(), 12);
+    let options = EngineOptions::default();
+
+    let (cold, blocks) = run(&m, &req, &options, &[]);
+    assert_eq!(cold.cached_tokens, 0);
+    assert_eq!(shape(&blocks), [(0, 256), (1, 256), (2, 256), (3, 99)]);
+    assert_eq!(blocks[3].tokens, prompt[3 * BLOCK..body]);
+
+    // From 1, 2 and 3 whole blocks, then with the partial tail too: the same tokens, and
+    // only what it computed itself is handed out.
+    for n in 1..=4 {
+        let (warm, more) = run(&m, &req, &options, &kv(&blocks[..n]));
+        assert_eq!(warm.tokens, cold.tokens, "with {n} cached blocks");
+        let cached: usize = blocks[..n].iter().map(|b| b.tokens.len()).sum();
+        assert_eq!(warm.cached_tokens, cached);
+        let expected: Vec<(usize, usize)> = shape(&blocks)[n..].to_vec();
+        assert_eq!(shape(&more), expected, "blocks handed out after {n} cached");
+    }
+
+    // KV of the wrong size is not used: the prompt is computed, the answer unchanged.
+    let bad = vec![0u8; 10];
+    let wrong = [CachedKv {
+        bytes: &bad,
+        tokens: BLOCK,
+    }];
+    let (fallback, _) = run(&m, &req, &options, &wrong);
+    assert_eq!(fallback.cached_tokens, 0);
+    assert_eq!(fallback.tokens, cold.tokens);
+
+    // A partial block that would cover the last token is not imported (that token is always
+    // computed, for the first token's logits).
+    let short = GenerateRequest::greedy(prompt[..BLOCK + 10].to_vec(), 4);
+    let (_, short_blocks) = run(&m, &short, &options, &[]);
+    assert_eq!(shape(&short_blocks), [(0, 256), (1, 9)]);
+    let shorter = GenerateRequest::greedy(prompt[..BLOCK + 9].to_vec(), 4);
+    let (g, _) = run(&m, &shorter, &options, &kv(&short_blocks));
+    assert_eq!(
+        g.cached_tokens, BLOCK,
+        "the 9-token tail would reach the last token"
+    );
+}
+
+#[test]
+fn the_partial_block_of_an_earlier_shorter_prompt_is_reused() {
+    let m = model();
+    let options = EngineOptions::default();
+    let long = prompt(&m, 3 * BLOCK + 40);
+    // The first turn: two whole blocks and a body tail of 100 tokens.
+    let first = GenerateRequest::greedy(long[..2 * BLOCK + 101].to_vec(), 4);
+    let (_, first_blocks) = run(&m, &first, &options, &[]);
+    assert_eq!(shape(&first_blocks), [(0, 256), (1, 256), (2, 100)]);
+
+    // The next turn extends it: it resumes 100 tokens into its third block.
+    let mut next = GenerateRequest::greedy(long.clone(), 16);
+    let (warm, stored) = run(&m, &next, &options, &kv(&first_blocks));
+    assert_eq!(warm.cached_tokens, 2 * BLOCK + 100);
+    // The block completed around the imported partial is handed out whole.
+    assert_eq!(shape(&stored), [(2, 256), (3, 39)]);
+    assert_eq!(stored[0].tokens, long[2 * BLOCK..3 * BLOCK]);
+
+    // The cache-disabled run with the same chunk boundaries computes the same tokens.
+    next.prefill_breaks = vec![2 * BLOCK + 100];
+    let (cold, _) = run(&m, &next, &options, &[]);
+    assert_eq!(cold.cached_tokens, 0);
+    assert_eq!(warm.tokens, cold.tokens);
+}
+
+#[test]
+fn blocks_of_generated_tokens_are_stored_only_when_opted_in() {
+    let m = model();
+    let mut req = GenerateRequest::greedy(prompt(&m, 240), 40);
+    req.ignore_eos = true;
+    let off = EngineOptions::default();
+    let (g, blocks) = run(&m, &req, &off, &[]);
+    assert_eq!(g.tokens.len(), 40);
+    assert_eq!(shape(&blocks), [(0, 239)], "the prompt's partial tail only");
+
+    let on = EngineOptions {
+        store_decode_kv: true,
+        ..EngineOptions::default()
+    };
+    let (g2, blocks) = run(&m, &req, &on, &[]);
+    assert_eq!(g2.tokens, g.tokens, "storing changes nothing in the output");
+    assert_eq!(shape(&blocks), [(0, 239), (0, 256)]);
+    let all: Vec<u32> = req.prompt.iter().chain(&g.tokens).copied().collect();
+    assert_eq!(blocks[1].tokens, all[..BLOCK]);
+    assert_eq!(
+        blocks[1].bytes.len(),
+        BLOCK * m.model.kv_layout().bytes_per_token()
+    );
+}
