@@ -94,6 +94,9 @@ pub struct ModelConfig {
     /// [default: 80% of physical memory].
     #[serde(default)]
     pub memory_budget: Option<String>,
+    /// Also cache blocks of generated tokens (see `strata-worker serve --store-decode-kv`).
+    #[serde(default)]
+    pub store_decode_kv: bool,
 }
 
 fn default_bind() -> SocketAddr {

@@ -130,6 +130,11 @@ struct UpArgs {
     /// Memory budget of each worker whose model has none in the config, e.g. 8GiB.
     #[arg(long, env = "STRATA_WORKER_MEMORY_BUDGET")]
     worker_memory_budget: Option<String>,
+    /// Also cache the KV of generated tokens, so that a chat's next turn skips them too. Off by
+    /// default: decode-step KV rounds differently from prefill KV, so such hits are close to,
+    /// not bit-identical with, computing them.
+    #[arg(long, env = "STRATA_STORE_DECODE_KV")]
+    store_decode_kv: bool,
     /// Folder holding strata-worker and strata-kvcache [default: next to this binary].
     #[arg(long, env = "STRATA_BIN_DIR")]
     bin_dir: Option<PathBuf>,
@@ -303,6 +308,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             aliases: Vec::new(),
             pinned: true,
             memory_budget: None,
+            store_decode_kv: false,
         }];
     }
     config.validate()?;
@@ -409,6 +415,10 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
                     .map(|b| ["--memory-budget".to_string(), b])
                     .into_iter()
                     .flatten(),
+            )
+            .chain(
+                (m.store_decode_kv || args.store_decode_kv)
+                    .then(|| "--store-decode-kv".to_string()),
             )
             .collect(),
             socket,

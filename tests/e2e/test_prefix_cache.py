@@ -181,6 +181,38 @@ def test_the_partial_tail_of_an_earlier_prompt_is_reused(cluster):
     assert again == warm
 
 
+def two_turns(cluster, salt):
+    """A first turn from token ids, then a second that resends it with the generated tokens and
+    a few more: the second turn's cached tokens."""
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="x", max_retries=0)
+    ids = [2000 + (i * 53) % 7000 for i in range(250)]
+    extra = {"cache_salt": salt, "ignore_eos": True, "return_tokens_as_token_ids": True}
+    r = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=20,
+                                  logprobs=1, extra_body=extra)
+    generated = [int(t.removeprefix("token_id:")) for t in r.choices[0].logprobs.tokens]
+    assert len(generated) == 20
+    r = client.completions.create(model=MODEL, prompt=ids + generated + list(range(300, 330)),
+                                  temperature=0, max_tokens=4, extra_body=extra)
+    return r.usage.prompt_tokens_details.cached_tokens
+
+
+def test_generated_tokens_are_not_cached_by_default(cluster):
+    # Only the first prompt's body (249 tokens, a partial block) is reused.
+    assert two_turns(cluster, "decode-kv-off") == 249
+
+
+def test_generated_tokens_are_cached_with_store_decode_kv(bin_dir, default_model, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    c = start_cluster(bin_dir, default_model, port, tmp_path, "--store-decode-kv")
+    try:
+        # The first block, 250 prompt tokens and 6 generated ones, came from the decode steps.
+        assert two_turns(c, "decode-kv-on") == BLOCK
+    finally:
+        stop_cluster(c)
+
+
 def test_a_hung_cache_service_costs_a_bounded_wait_not_a_failure(cluster):
     cold, _ = ask(cluster, "Name a large ocean.")
     restart_worker(cluster)  # empty L0: the worker must ask the cache service

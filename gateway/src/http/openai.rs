@@ -88,6 +88,9 @@ pub struct CompletionRequest {
     echo: Option<bool>,
     suffix: Option<String>,
     best_of: Option<u32>,
+    /// vLLM's extension: logprob tokens as "token_id:ID" instead of text.
+    #[serde(default)]
+    return_tokens_as_token_ids: bool,
 }
 
 impl Common {
@@ -414,9 +417,17 @@ pub async fn completions(
     let id = response_id("cmpl-");
     let created = unix_now();
     let model_name = common.model.clone();
-    let completion_logprobs = |lps: &[pb::TokenLogprob]| {
+    let as_ids = req.return_tokens_as_token_ids;
+    let completion_logprobs = move |lps: &[pb::TokenLogprob]| {
+        let name = |token: u32, text: &str| {
+            if as_ids {
+                format!("token_id:{token}")
+            } else {
+                text.to_string()
+            }
+        };
         json!({
-            "tokens": lps.iter().map(|l| l.text.clone()).collect::<Vec<_>>(),
+            "tokens": lps.iter().map(|l| name(l.token, &l.text)).collect::<Vec<_>>(),
             "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
             "top_logprobs": lps.iter().map(|l| l.top.iter().map(|t| (t.text.clone(), json!(t.logprob))).collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
         })

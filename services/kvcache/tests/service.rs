@@ -11,7 +11,7 @@ use strata_kvcache::block::{BlockKey, make_block, make_block_of};
 use strata_kvcache::client::CacheClient;
 use strata_proto::kvcache::kv_cache_client::KvCacheClient;
 use strata_proto::kvcache::{
-    Block, FetchRequest, LookupRequest, StatsRequest, StatsResponse, Tier,
+    Block, FetchRequest, LookupRequest, ReportRequest, StatsRequest, StatsResponse, Tier,
 };
 use tonic::transport::Channel;
 
@@ -635,6 +635,29 @@ async fn the_worker_client_reads_disk_blocks_from_their_files_and_verifies_them(
         .await
         .unwrap();
     assert_eq!(got.len(), 3);
+    // The client reported the bad file: the service checked it, dropped it and counted it,
+    // so the next fetch is a plain miss there, not another bad read.
+    let stats = svc
+        .client()
+        .stats(StatsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(stats.corrupt_blocks, 1);
+    assert!(!path.exists(), "the corrupt file is deleted");
+    assert_eq!(lookup(&mut svc.client(), &blocks).await.len(), 3);
+    // A report about a good block drops nothing: the client's word alone is not enough.
+    let r = svc
+        .client()
+        .report(ReportRequest {
+            namespace: NS.into(),
+            key: keys[0].0.to_vec(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!r.dropped);
+    assert_eq!(lookup(&mut svc.client(), &blocks).await.len(), 3);
     // Another namespace's client gets nothing, though it could read the files.
     let got = client
         .fetch_prefix("someone-else", &keys, Duration::from_secs(10))

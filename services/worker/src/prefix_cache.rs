@@ -674,3 +674,84 @@ async fn store_loop(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hits_are_fetched_until_both_speeds_are_measured() {
+        let mut m = CostModel::default();
+        assert!(m.worth_fetching(256, 1 << 30));
+        m.record_fetch(1 << 20, Duration::from_millis(1));
+        assert!(
+            m.worth_fetching(256, 1 << 30),
+            "prefill speed not known yet"
+        );
+    }
+
+    #[test]
+    fn the_cheaper_of_fetching_and_recomputing_wins() {
+        let mut m = CostModel::default();
+        // 1 GB/s fetches, 1000 tokens/s prefill.
+        m.record_fetch(1_000_000_000, Duration::from_secs(1));
+        m.record_prefill(1000, Duration::from_secs(1));
+        // 256 tokens: 0.256 s to compute; 12 MB take 0.012 s to fetch.
+        assert!(m.worth_fetching(256, 12_000_000));
+        // A huge block for few tokens (slow disk, tiny model on a fast chip): recompute.
+        assert!(!m.worth_fetching(16, 100_000_000));
+    }
+
+    #[test]
+    fn measurements_are_averaged_not_replaced() {
+        let mut m = CostModel::default();
+        m.record_prefill(1000, Duration::from_secs(1));
+        m.record_prefill(3000, Duration::from_secs(1));
+        let tps = m.prefill_tokens_per_sec.unwrap();
+        assert!(tps > 1000.0 && tps < 3000.0, "{tps}");
+        // Nothing measured in no time (or of nothing) changes nothing.
+        m.record_prefill(0, Duration::from_secs(1));
+        m.record_fetch(10, Duration::ZERO);
+        assert_eq!(m.prefill_tokens_per_sec.unwrap(), tps);
+        assert!(m.fetch_bytes_per_sec.is_none());
+    }
+
+    #[test]
+    fn l0_finds_the_longest_partial_that_starts_the_tail_and_forgets_evicted_ones() {
+        let mut l0 = L0 {
+            limit_bytes: 100,
+            used_bytes: 0,
+            tick: 0,
+            entries: HashMap::new(),
+            order: BTreeMap::new(),
+            partials: HashMap::new(),
+        };
+        let parent = root_of("ns");
+        let short = BlockKey::chain("ns", None, &[1, 2]);
+        let long = BlockKey::chain("ns", None, &[1, 2, 3]);
+        let other = BlockKey::chain("ns", None, &[1, 9]);
+        l0.insert_partial(parent, vec![1, 2], short, Bytes::from(vec![0u8; 30]));
+        l0.insert_partial(parent, vec![1, 2, 3], long, Bytes::from(vec![0u8; 30]));
+        l0.insert_partial(parent, vec![1, 9], other, Bytes::from(vec![0u8; 30]));
+        let hit = l0
+            .find_partial(&parent, &[1, 2, 3, 4])
+            .map(|(_, n, k)| (n, k));
+        assert_eq!(hit, Some((3, long)));
+        assert_eq!(
+            l0.find_partial(&parent, &[1, 2]).map(|(_, n, _)| n),
+            Some(2)
+        );
+        assert!(l0.find_partial(&parent, &[5]).is_none());
+        // Room for three: a fourth block evicts the least recently used partial (`other`).
+        l0.insert(
+            BlockKey::chain("ns", None, &[7]),
+            Bytes::from(vec![0u8; 30]),
+        );
+        assert!(l0.find_partial(&parent, &[1, 9, 9]).is_none());
+        assert_eq!(
+            l0.partials[&parent].len(),
+            2,
+            "the evicted partial is pruned"
+        );
+    }
+}
