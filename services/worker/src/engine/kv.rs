@@ -211,6 +211,67 @@ impl KvCache {
     }
 }
 
+impl KvCache {
+    /// Fills an empty cache from consecutive parts in `export`'s layout, each (bytes, tokens),
+    /// with one buffer per layer and K/V sized for all of them at once. Importing part by part
+    /// would grow (and copy) every buffer once per part: quadratic in the prefix, which at 4K
+    /// tokens cost more than the fetch itself.
+    pub fn import_all(&mut self, parts: &[(&[u8], usize)]) -> Result<()> {
+        if self.len != 0 || self.layers.iter().any(Option::is_some) {
+            return Err(EngineError::Config(
+                "import_all needs an empty cache".into(),
+            ));
+        }
+        let l = self.layout;
+        let total: usize = parts.iter().map(|(_, t)| t).sum();
+        if total == 0 {
+            return Ok(());
+        }
+        for (bytes, tokens) in parts {
+            let expected = tokens * l.bytes_per_token();
+            if bytes.len() != expected {
+                return Err(EngineError::Config(format!(
+                    "KV import of {tokens} tokens needs {expected} bytes, got {}",
+                    bytes.len()
+                )));
+            }
+        }
+        let capacity = total.div_ceil(self.step_tokens) * self.step_tokens;
+        let row = l.head_dim * dtype_bytes(l.dtype);
+        let shape = [1, l.kv_heads as i32, capacity as i32, l.head_dim as i32];
+        let mut layers = Vec::with_capacity(l.num_layers);
+        for layer in 0..l.num_layers {
+            let mut pair = Vec::with_capacity(2);
+            for kv in 0..2 {
+                // [heads, capacity, dim]: each part's [heads, tokens, dim] goes at its offset.
+                let mut buf = vec![0u8; l.kv_heads * capacity * row];
+                let mut at = 0;
+                for (bytes, tokens) in parts {
+                    let per_buf = tokens * l.kv_heads * row;
+                    let src = &bytes[(2 * layer + kv) * per_buf..(2 * layer + kv + 1) * per_buf];
+                    for h in 0..l.kv_heads {
+                        let to = (h * capacity + at) * row;
+                        buf[to..to + tokens * row]
+                            .copy_from_slice(&src[h * tokens * row..(h + 1) * tokens * row]);
+                    }
+                    at += tokens;
+                }
+                let raw = Array::from_slice(&buf, &[buf.len() as i32]);
+                pair.push(view_as(&raw, l.dtype)?.reshape(&shape)?);
+            }
+            let values = pair.pop();
+            let keys = pair.pop();
+            if let (Some(keys), Some(values)) = (keys, values) {
+                layers.push(Some(LayerKv { keys, values }));
+            }
+        }
+        self.layers = layers;
+        self.len = total;
+        self.capacity = capacity;
+        Ok(())
+    }
+}
+
 /// Reinterprets raw bytes as `dtype` (no conversion).
 fn view_as(raw: &Array, dtype: Dtype) -> Result<Array> {
     Ok(match dtype {

@@ -79,22 +79,25 @@ impl Sequence {
         let block = model.block_tokens;
         let body = req.prompt.len() - 1;
         let mut cache = model.model.new_cache(options.kv_step_tokens);
-        let mut imported = 0;
+        // Whole blocks, then at most one partial one, never reaching the last token.
+        let mut usable = Vec::new();
+        let mut covered = 0;
         for kv in cached {
             let fits = kv.tokens > 0
-                && imported % block == 0
+                && covered % block == 0
                 && kv.tokens <= block
-                && imported + kv.tokens <= body;
+                && covered + kv.tokens <= body;
             if !fits {
                 break;
             }
-            if let Err(e) = cache.import(kv.bytes, kv.tokens) {
-                tracing::warn!(error = %e, "a cached block does not fit this model; computing the prompt");
-                cache = model.model.new_cache(options.kv_step_tokens);
-                imported = 0;
-                break;
-            }
-            imported += kv.tokens;
+            usable.push((kv.bytes, kv.tokens));
+            covered += kv.tokens;
+        }
+        let mut imported = covered;
+        if let Err(e) = cache.import_all(&usable) {
+            tracing::warn!(error = %e, "cached KV does not fit this model; computing the prompt");
+            cache = model.model.new_cache(options.kv_step_tokens);
+            imported = 0;
         }
         Ok(Self {
             sampler: Sampler::new(req.sampling.clone(), &req.prompt),
