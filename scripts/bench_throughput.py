@@ -29,6 +29,7 @@ import urllib.request
 CACHE = pathlib.Path(os.environ.get("STRATA_CACHE", pathlib.Path.home() / ".cache/strata"))
 GGUF = CACHE / "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
 HF_F32 = CACHE / "models/smollm2-135m-instruct-f32"
+KV_BYTES_PER_TOKEN = 46_080  # SmolLM2-135M, f32 KV
 TOPICS = ["the sea", "a lighthouse", "winter in a mountain village", "an old clock",
           "a library at night", "the first train", "a garden after rain", "a lost map"]
 
@@ -108,6 +109,13 @@ def measure(name, base, model, args, extra):
     return rows
 
 
+def rss_mb(pid):
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def children_of(base):
     with urllib.request.urlopen(base + "/health", timeout=5) as r:
         return {c["name"]: c["pid"] for c in json.load(r)["children"]}
@@ -138,6 +146,8 @@ def main():
         wait_http(base + "/v1/models", proc, log)
         while "worker-m" not in children_of(base):
             time.sleep(0.2)
+        post(base + "/v1/completions", {"model": "m", "prompt": "Hi", "max_tokens": 1})
+        worker_at_load = rss_mb(children_of(base)["worker-m"])
         strata = measure("strata", base, "m", args, {"ignore_eos": True})
         pids = children_of(base)
         rss = {"strata gateway": peak_rss_mb(proc.pid),
@@ -175,6 +185,19 @@ def main():
         a, b = strata[s], mlx[s]
         print(f"| {s} | {a[0]:.1f} ({a[1]:.1f}-{a[2]:.1f}) | {b[0]:.1f} ({b[1]:.1f}-{b[2]:.1f}) "
               f"| {a[0] / b[0]:.2f}x |")
+    # The worker's bound: what it holds once the model is loaded (weights dequantised to f32,
+    # MLX and BLAS), plus its KV budget: L0 (256 MiB by default) and the live KV of the largest
+    # batch (KV grows in steps of 256 tokens), plus 10%.
+    prompt_tokens = int(args.words * 1.3) + 20
+    step = 256
+    live_kv = max(args.streams) * ((prompt_tokens + args.max_tokens + step - 1) // step * step) \
+        * KV_BYTES_PER_TOKEN / 2**20
+    bound = (worker_at_load + 256 + live_kv) * 1.1
+    print()
+    print(f"Worker: {worker_at_load:.0f} MB resident with the model loaded; KV budget = L0 256 MB "
+          f"+ live KV of {max(args.streams)} streams {live_kv:.0f} MB; bound with 10% = "
+          f"{bound:.0f} MB; peak {rss['strata worker']:.0f} MB "
+          f"({'within' if rss['strata worker'] <= bound else 'OVER'} the bound)")
     print()
     print("| process | peak RSS (MB) |")
     print("|---|---|")

@@ -236,7 +236,9 @@ impl KvCache {
                 )));
             }
         }
-        let capacity = total.div_ceil(self.step_tokens) * self.step_tokens;
+        // Room for at least the token computed next, so that it does not grow (copy) buffers
+        // that hold the whole prefix.
+        let capacity = (total + 1).div_ceil(self.step_tokens) * self.step_tokens;
         let row = l.head_dim * dtype_bytes(l.dtype);
         let shape = [1, l.kv_heads as i32, capacity as i32, l.head_dim as i32];
         let mut layers = Vec::with_capacity(l.num_layers);
