@@ -37,7 +37,9 @@ def ttft(base, ids):
     started = time.monotonic()
     first = None
     usage = None
-    with post(base + "/v1/completions", {"model": "m", "prompt": ids, "max_tokens": 2,
+    text = ""
+    with post(base + "/v1/completions", {"model": "m", "prompt": ids, "max_tokens": 4,
+                                          "ignore_eos": True,
                                           "temperature": 0, "stream": True,
                                           "stream_options": {"include_usage": True}}) as r:
         for line in r:
@@ -47,8 +49,11 @@ def ttft(base, ids):
             chunk = json.loads(line[6:])
             if chunk.get("choices") and first is None:
                 first = time.monotonic() - started
+            for c in chunk.get("choices") or []:
+                text += c.get("text") or ""
             if chunk.get("usage"):
                 usage = chunk["usage"]
+    usage["text"] = text
     return first, usage
 
 
@@ -154,6 +159,10 @@ def main():
             dropped = drop_caches()
             l2, u3 = ttft(base, ids)
             cached = u3["prompt_tokens_details"]["cached_tokens"]
+            # Greedy output with a hit equals the cold run's (4 tokens each).
+            texts = [u["text"] for u in (u0, u1, u2, u3)]
+            if len(set(texts)) != 1:
+                sys.exit(f"outputs differ at {n} tokens: {texts}")
             floor = cached * KV_BYTES_PER_TOKEN / (raw_gbps * 1e9) + decode_step
             rows.append((n, cold, l0, l1, l2, floor, cached, dropped,
                          [u["strata_cached_tokens_by_tier"] for u in (u1, u2, u3)]))

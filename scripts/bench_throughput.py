@@ -116,9 +116,17 @@ def rss_mb(pid):
     return float("nan")
 
 
+def health(base):
+    """(status, body): 503 with the same body while a child is not ready."""
+    try:
+        with urllib.request.urlopen(base + "/health", timeout=5) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
 def children_of(base):
-    with urllib.request.urlopen(base + "/health", timeout=5) as r:
-        return {c["name"]: c["pid"] for c in json.load(r)["children"]}
+    return {c["name"]: c["pid"] for c in health(base)[1]["children"]}
 
 
 def main():
@@ -144,7 +152,10 @@ def main():
     base = f"http://127.0.0.1:{port}"
     try:
         wait_http(base + "/v1/models", proc, log)
-        while "worker-m" not in children_of(base):
+        deadline = time.monotonic() + 180
+        while health(base)[0] != 200:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                sys.exit(f"strata not ready; see {log}")
             time.sleep(0.2)
         post(base + "/v1/completions", {"model": "m", "prompt": "Hi", "max_tokens": 1})
         worker_at_load = rss_mb(children_of(base)["worker-m"])
@@ -153,8 +164,7 @@ def main():
         rss = {"strata gateway": peak_rss_mb(proc.pid),
                "strata worker": peak_rss_mb(pids["worker-m"]),
                "strata kvcache": peak_rss_mb(pids["kvcache"])}
-        with urllib.request.urlopen(base + "/health", timeout=5) as r:
-            health = json.load(r)
+        end_health = health(base)[1]
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -203,7 +213,7 @@ def main():
     print("|---|---|")
     for name, mb in rss.items():
         print(f"| {name} | {mb:.0f} |")
-    print(f"(logs in {tmp}; cluster health at the end: {json.dumps(health)[:200]})")
+    print(f"(logs in {tmp}; cluster health at the end: {json.dumps(end_health)[:200]})")
 
 
 if __name__ == "__main__":

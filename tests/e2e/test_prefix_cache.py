@@ -179,6 +179,11 @@ def test_the_partial_tail_of_an_earlier_prompt_is_reused(cluster):
     again, usage = complete(cluster, ids, salt)
     assert usage.prompt_tokens_details.cached_tokens == len(ids) - 1
     assert again == warm
+    # The worker's stats say so, and its cost model has measured its prefill speed.
+    workers = {w["name"]: w for w in admin(cluster, "/admin/api/workers")["workers"]}
+    stats = workers[f"worker-{MODEL}"]["stats"]["prefix_cache"]
+    assert stats["partial_hits"] >= 2, stats
+    assert stats["prefill_tokens_per_sec"] > 0, stats
 
 
 def two_turns(cluster, salt):

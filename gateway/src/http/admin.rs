@@ -93,6 +93,18 @@ async fn workers(State(state): State<AppState>) -> Json<Value> {
                     "decode_batch_histogram": s.decode_batch_histogram.iter()
                         .map(|(k, v)| (k.to_string(), json!(v)))
                         .collect::<serde_json::Map<_, _>>(),
+                    "prefix_cache": s.prefix_cache.map(|p| json!({
+                        "lookups": p.lookups,
+                        "lookup_failures": p.lookup_failures,
+                        "blocks_fetched": p.blocks_fetched,
+                        "partial_hits": p.partial_hits,
+                        "blocks_stored": p.blocks_stored,
+                        "blocks_store_dropped": p.blocks_store_dropped,
+                        "store_failures": p.store_failures,
+                        "fetches_skipped_by_cost": p.fetches_skipped_by_cost,
+                        "fetch_bytes_per_sec": p.fetch_bytes_per_sec,
+                        "prefill_tokens_per_sec": p.prefill_tokens_per_sec,
+                    })),
                 });
             }
         }
