@@ -452,6 +452,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         Some(k) => (Some(k.state), Some(k.control), Some(k.task)),
         None => (None, None, None),
     };
+    http::metrics::install().context("install the Prometheus recorder")?;
     let app = http::router(AppState {
         kvcache: kvcache_state,
         registry: registry.clone(),

@@ -201,7 +201,7 @@ async fn model_action(
     .into_response())
 }
 
-fn kv_client(state: &AppState) -> KvCacheClient<tonic::transport::Channel> {
+pub(crate) fn kv_client(state: &AppState) -> KvCacheClient<tonic::transport::Channel> {
     KvCacheClient::new(strata_runtime::uds::channel(
         &state.admin.kvcache_socket,
         Duration::from_secs(2),

@@ -207,11 +207,7 @@ pub async fn messages(
 /// message_start, content_block_start, ping, content_block_delta…, content_block_stop,
 /// message_delta (stop reason and usage), message_stop; an error ends the stream with an
 /// `error` event.
-fn stream_events(
-    mut stream: tonic::Streaming<pb::GenerateEvent>,
-    id: String,
-    model: String,
-) -> Response {
+fn stream_events(mut stream: generation::GenerationStream, id: String, model: String) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(32);
     tokio::spawn(async move {
         let event =

@@ -11,6 +11,7 @@ use strata_proto::worker::{self as pb, generate_event};
 use tonic::Streaming;
 
 use super::error::{ApiError, ErrorKind, Flavor, from_worker_status};
+use super::metrics::GenerationMeter;
 use crate::workers::ModelEntry;
 
 /// Reads a JSON body: 413 past `limit` bytes, 400 when it is not JSON.
@@ -104,15 +105,45 @@ pub async fn start(
     request: pb::GenerateRequest,
     timeout: Duration,
     flavor: Flavor,
-) -> Result<Streaming<pb::GenerateEvent>, ApiError> {
+) -> Result<GenerationStream, ApiError> {
+    let meter = GenerationMeter::new(&model.id);
     let mut client = model.ready_client().map_err(|e| e.flavor(flavor))?;
     let mut req = tonic::Request::new(request);
     req.set_timeout(timeout);
-    client
-        .generate(req)
-        .await
-        .map(|r| r.into_inner())
-        .map_err(|s| from_worker_status(&s).flavor(flavor))
+    match client.generate(req).await {
+        Ok(r) => Ok(GenerationStream {
+            inner: r.into_inner(),
+            meter,
+        }),
+        Err(s) => {
+            meter.failed();
+            Err(from_worker_status(&s).flavor(flavor))
+        }
+    }
+}
+
+/// A worker's event stream, metered on the way through (TTFT, inter-token latency, usage).
+pub struct GenerationStream {
+    inner: Streaming<pb::GenerateEvent>,
+    meter: GenerationMeter,
+}
+
+impl GenerationStream {
+    pub async fn message(&mut self) -> Result<Option<pb::GenerateEvent>, tonic::Status> {
+        let item = self.inner.message().await;
+        match &item {
+            Ok(Some(e)) => match &e.event {
+                Some(generate_event::Event::Delta(_)) => self.meter.token(),
+                Some(generate_event::Event::Done(d)) => {
+                    self.meter.done(&d.usage.unwrap_or_default())
+                }
+                _ => {}
+            },
+            Ok(None) => {}
+            Err(_) => self.meter.failed(),
+        }
+        item
+    }
 }
 
 /// Counts tokens of a prompt as the model sees it.
@@ -141,10 +172,7 @@ pub struct Collected {
     pub done: pb::GenerateDone,
 }
 
-pub async fn collect(
-    mut stream: Streaming<pb::GenerateEvent>,
-    flavor: Flavor,
-) -> Result<Collected, ApiError> {
+pub async fn collect(mut stream: GenerationStream, flavor: Flavor) -> Result<Collected, ApiError> {
     let mut out = Collected::default();
     loop {
         match stream.message().await {

@@ -5,6 +5,7 @@ pub mod admin;
 pub mod anthropic;
 pub mod error;
 pub mod generation;
+pub mod metrics;
 pub mod openai;
 
 use std::sync::Arc;
@@ -54,6 +55,8 @@ pub fn router(state: AppState) -> Router {
         .merge(v1)
         .merge(admin::router(state.clone()))
         .route("/health", get(health))
+        .route("/metrics", get(metrics::scrape))
+        .route_layer(middleware::from_fn(metrics::track))
         .fallback(not_found)
         .with_state(state)
 }
@@ -125,6 +128,8 @@ pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 }
 
 async fn not_found(req: Request) -> Response {
+    ::metrics::counter!("strata_http_requests_total", "route" => "unmatched", "status" => "404")
+        .increment(1);
     ApiError::new(
         ErrorKind::NotFound,
         format!("no route for {} {}", req.method(), req.uri().path()),

@@ -494,7 +494,7 @@ pub enum Part<'a> {
 /// `data: {"error": …}`, then `data: [DONE]`. The worker stream is read by a task that stops
 /// (dropping it, which cancels the generation) as soon as the client is gone.
 pub fn sse(
-    mut stream: tonic::Streaming<pb::GenerateEvent>,
+    mut stream: generation::GenerationStream,
     mut chunks: impl FnMut(Part<'_>) -> Vec<Value> + Send + 'static,
 ) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(32);
