@@ -9,6 +9,7 @@ import pathlib
 import urllib.request
 import signal
 import socket
+import subprocess
 import time
 
 import openai
@@ -214,6 +215,50 @@ def test_generated_tokens_are_cached_with_store_decode_kv(bin_dir, default_model
     try:
         # The first block, 250 prompt tokens and 6 generated ones, came from the decode steps.
         assert two_turns(c, "decode-kv-on") == BLOCK
+    finally:
+        stop_cluster(c)
+
+
+def test_two_models_never_share_blocks(bin_dir, default_model, tmp_path):
+    """The same token ids to two models (the GGUF and the f32 folder converted from it: same
+    tokenizer, different fingerprints) through one cache service: no hit across them."""
+    from test_api import Cluster
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    f32 = default_model.parent.parent / "smollm2-135m-instruct-f32"
+    config = tmp_path / "strata.toml"
+    config.write_text(f"""
+bind = "127.0.0.1:{port}"
+run_dir = "{tmp_path / 'run'}"
+[cache]
+dir = "{tmp_path / 'kv'}"
+ram = "64MiB"
+disk = "256MiB"
+[[models]]
+id = "a"
+path = "{default_model}"
+[[models]]
+id = "b"
+path = "{f32}"
+""")
+    log = tmp_path / "strata.log"
+    proc = subprocess.Popen([bin_dir / "strata", "up", "--config", str(config)],
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    c = Cluster(proc, port, tmp_path / "run", log)
+    try:
+        c.wait_ready(timeout_s=180)
+        client = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0)
+        ids = [3000 + (i * 41) % 6000 for i in range(300)]
+
+        def cached(model):
+            r = client.completions.create(model=model, prompt=ids, max_tokens=2, temperature=0)
+            return r.usage.prompt_tokens_details.cached_tokens
+
+        assert cached("a") == 0
+        assert cached("a") == len(ids) - 1
+        assert cached("b") == 0, "model b must not see model a's blocks"
+        assert cached("b") == len(ids) - 1
     finally:
         stop_cluster(c)
 

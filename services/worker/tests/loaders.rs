@@ -51,6 +51,20 @@ fn smollm2_cases() -> Vec<(Vec<u32>, Vec<u32>)> {
         .collect()
 }
 
+/// The worker loads on its main thread and computes on its engine thread. A lazy MLX array is
+/// bound to the stream of the thread that made it, so the loader must leave none behind
+/// (safetensors loads are lazy: this failed with "no Stream(cpu, 0) in current thread").
+#[test]
+fn a_safetensors_model_loaded_on_one_thread_computes_on_another() {
+    let path = common::derived_model("smollm2-135m-instruct-f32");
+    let m = loader::open(&path, DtypePolicy::F32, 256).unwrap();
+    let (input, want) = smollm2_cases().remove(0);
+    let got = std::thread::spawn(move || greedy(&m, &input, want.len()).0)
+        .join()
+        .expect("the engine thread computes");
+    assert_eq!(got, smollm2_cases()[0].1);
+}
+
 #[test]
 fn hugging_face_f32_folder_gives_the_reference_greedy_tokens() {
     let path = common::derived_model("smollm2-135m-instruct-f32");

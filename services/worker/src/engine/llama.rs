@@ -123,7 +123,9 @@ impl Model {
                 down: store.linear(&name("down"), policy)?,
             };
             // Materialise layer by layer: dequantising everything lazily first would hold the
-            // packed and the expanded weights at once.
+            // packed and the expanded weights at once. Everything is evaluated here, norms and
+            // biases too: a lazy array is bound to this thread's MLX stream, and the engine
+            // runs on another thread (safetensors loads are lazy).
             for m in [
                 &layer.q,
                 &layer.k,
@@ -134,7 +136,12 @@ impl Model {
                 &layer.down,
             ] {
                 eval_matrix(&m.matrix)?;
+                if let Some(b) = &m.bias {
+                    b.eval()?;
+                }
             }
+            layer.attn_norm.eval()?;
+            layer.mlp_norm.eval()?;
             layers.push(layer);
         }
         let embed = store.matrix(naming.embed(), policy)?;
@@ -148,6 +155,7 @@ impl Model {
             None
         };
         let final_norm = store.vector(naming.final_norm(), policy)?;
+        final_norm.eval()?;
         Ok(Self {
             config,
             policy,
