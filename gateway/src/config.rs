@@ -146,6 +146,12 @@ pub enum ConfigError {
 }
 
 impl Config {
+    /// The OTLP endpoint of the config file at `path`, read before logging starts (the file
+    /// is read again, with its errors reported, when the gateway starts).
+    pub fn otlp_endpoint_of(path: Option<&Path>) -> Option<String> {
+        Self::load(path?).ok()?.otlp_endpoint
+    }
+
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),

@@ -31,7 +31,7 @@ struct Cli {
 enum Command {
     /// Start the cache service (unless one already answers) and one worker per model, then
     /// serve HTTP until SIGTERM or Ctrl-C.
-    Up(UpArgs),
+    Up(Box<UpArgs>),
     /// The gateway's health and its children, from a running `strata up`.
     Status(ClientArgs),
     /// Worker processes: state, pid, model, restarts, last exit reason.
@@ -135,6 +135,10 @@ struct UpArgs {
     /// not bit-identical with, computing them.
     #[arg(long, env = "STRATA_STORE_DECODE_KV")]
     store_decode_kv: bool,
+    /// Export traces over OTLP/gRPC to this collector, e.g. http://127.0.0.1:4317 (Jaeger);
+    /// off when neither this nor `otlp_endpoint` in the config is set.
+    #[arg(long)]
+    otlp_endpoint: Option<String>,
     /// Folder holding strata-worker and strata-kvcache [default: next to this binary].
     #[arg(long, env = "STRATA_BIN_DIR")]
     bin_dir: Option<PathBuf>,
@@ -142,10 +146,26 @@ struct UpArgs {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    strata_runtime::logging::init("strata");
     let runtime = tokio::runtime::Runtime::new().context("start the tokio runtime")?;
+    // Traces (for `up`): the flag, then the config file; the children get the endpoint in
+    // their environment. Read before anything logs, since the exporter is part of logging.
+    let otlp_endpoint = match &cli.command {
+        Command::Up(args) => args
+            .otlp_endpoint
+            .clone()
+            .or_else(|| Config::otlp_endpoint_of(args.config.as_deref())),
+        _ => None,
+    };
+    let _trace_export = {
+        let _guard = runtime.enter();
+        strata_runtime::logging::init_with_traces(
+            "strata",
+            "strata-gateway",
+            otlp_endpoint.as_deref(),
+        )
+    };
     match cli.command {
-        Command::Up(args) => runtime.block_on(up(args)),
+        Command::Up(args) => runtime.block_on(up(*args)),
         Command::Status(c) => runtime.block_on(client_get(&c, "/health", false)),
         Command::Workers(c) => runtime.block_on(client_get(&c, "/admin/api/workers", true)),
         Command::Restart { worker, client } => runtime.block_on(client_post(
@@ -312,10 +332,16 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         }];
     }
     config.validate()?;
-    if let Some(endpoint) = &config.otlp_endpoint {
-        // Said loudly: a configured feature that is not applied must never look applied.
-        tracing::warn!(%endpoint, "otlp_endpoint is configured but trace export is not implemented yet; no traces will be sent");
-    }
+    let otlp_endpoint = args.otlp_endpoint.clone().or(config.otlp_endpoint.clone());
+    let child_envs: Vec<(String, String)> = otlp_endpoint
+        .iter()
+        .map(|e| {
+            (
+                strata_runtime::logging::OTLP_ENDPOINT_ENV.to_string(),
+                e.clone(),
+            )
+        })
+        .collect();
     let run_dir = args
         .run_dir
         .clone()
@@ -368,6 +394,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             kv_disk,
         ],
         socket: kvcache_socket.clone(),
+        envs: child_envs.clone(),
     };
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     // launchd or systemd may run the cache service: use it when it answers.
@@ -422,6 +449,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             )
             .collect(),
             socket,
+            envs: child_envs.clone(),
         };
         models.push(ModelEntry::new(
             m.id.clone(),

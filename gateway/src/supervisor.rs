@@ -28,6 +28,8 @@ pub struct ChildSpec {
     pub program: PathBuf,
     pub args: Vec<String>,
     pub socket: PathBuf,
+    /// Environment variables set for the child (e.g. where to export traces).
+    pub envs: Vec<(String, String)>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -51,6 +53,8 @@ pub struct ChildState {
     pub last_error: Option<String>,
     /// What the child reported in its last health answer (e.g. MLX version and device).
     pub detail: Option<String>,
+    /// When it last became ready (Unix seconds), for its uptime.
+    pub ready_since_unix: Option<u64>,
 }
 
 /// Restart delays: 0.5 s doubling to 30 s; a child that stayed up a minute starts over at 0.5 s.
@@ -120,6 +124,7 @@ pub fn supervise(
         restarts: 0,
         last_error: None,
         detail: None,
+        ready_since_unix: None,
     });
     let task = tokio::spawn(async move {
         let mut delay = backoff.initial;
@@ -192,6 +197,7 @@ async fn run_once(
     let mut command = Command::new(&spec.program);
     command
         .args(&spec.args)
+        .envs(spec.envs.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         // Own process group: a terminal Ctrl-C reaches only the gateway, which stops children in order.
         .process_group(0)
@@ -228,6 +234,10 @@ async fn run_once(
             state.send_modify(|s| {
                 s.phase = Phase::Ready;
                 s.detail = Some(detail);
+                s.ready_since_unix = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .ok()
+                    .map(|d| d.as_secs());
             });
         }
         Err(e) => {

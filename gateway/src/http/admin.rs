@@ -36,6 +36,7 @@ pub fn router(state: AppState) -> Router<AppState> {
         .route("/admin/api/cache/stats", get(cache_stats))
         .route("/admin/api/cache/clear", post(cache_clear))
         .route("/admin/api/cache/probe", post(cache_probe))
+        .route("/admin/api/dashboard", get(dashboard))
         .route_layer(middleware::from_fn_with_state(state, require_admin))
 }
 
@@ -93,6 +94,9 @@ async fn workers(State(state): State<AppState>) -> Json<Value> {
                     "decode_batch_histogram": s.decode_batch_histogram.iter()
                         .map(|(k, v)| (k.to_string(), json!(v)))
                         .collect::<serde_json::Map<_, _>>(),
+                    "resident_bytes": s.resident_bytes,
+                    "memory_budget_bytes": s.memory_budget_bytes,
+                    "features": s.features.iter().collect::<std::collections::BTreeMap<_, _>>(),
                     "prefix_cache": s.prefix_cache.map(|p| json!({
                         "lookups": p.lookups,
                         "lookup_failures": p.lookup_failures,
@@ -113,6 +117,10 @@ async fn workers(State(state): State<AppState>) -> Json<Value> {
         out.push(v);
     }
     Json(json!({"workers": out}))
+}
+
+async fn dashboard() -> Json<Value> {
+    Json(super::metrics::dashboard_json())
 }
 
 async fn restart(

@@ -110,6 +110,7 @@ pub async fn start(
     let mut client = model.ready_client().map_err(|e| e.flavor(flavor))?;
     let mut req = tonic::Request::new(request);
     req.set_timeout(timeout);
+    strata_runtime::logging::inject(&mut req);
     match client.generate(req).await {
         Ok(r) => Ok(GenerationStream {
             inner: r.into_inner(),
@@ -134,9 +135,7 @@ impl GenerationStream {
         match &item {
             Ok(Some(e)) => match &e.event {
                 Some(generate_event::Event::Delta(_)) => self.meter.token(),
-                Some(generate_event::Event::Done(d)) => {
-                    self.meter.done(&d.usage.unwrap_or_default())
-                }
+                Some(generate_event::Event::Done(d)) => self.meter.done(d),
                 _ => {}
             },
             Ok(None) => {}

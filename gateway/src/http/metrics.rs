@@ -91,7 +91,10 @@ impl GenerationMeter {
         self.last = Some(now);
     }
 
-    pub fn done(&self, usage: &pb::Usage) {
+    pub fn done(&self, done: &pb::GenerateDone) {
+        let usage = done.usage.unwrap_or_default();
+        let usage = &usage;
+        record_recent(&self.model, usage, done.timings.as_ref());
         let model = [("model", self.model.clone())];
         counter!("strata_prompt_tokens_total", &model).increment(u64::from(usage.prompt_tokens));
         counter!("strata_completion_tokens_total", &model)
@@ -119,6 +122,106 @@ impl GenerationMeter {
         counter!("strata_generations_total", "model" => self.model.clone(), "outcome" => "error")
             .increment(1);
     }
+}
+
+/// Recent requests per model, for the dashboard (percentiles, speeds, plots over time).
+const RECENT_PER_MODEL: usize = 200;
+
+#[derive(Default)]
+struct ModelWindow {
+    requests: u64,
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    cached: [u64; 3],
+    recent: std::collections::VecDeque<Recent>,
+}
+
+#[derive(Clone, Copy)]
+struct Recent {
+    unix: f64,
+    ttft_s: f64,
+    prompt_tokens: u32,
+    cached_tokens: u32,
+    prefill_tps: Option<f64>,
+    decode_tps: Option<f64>,
+}
+
+fn windows() -> &'static Mutex<HashMap<String, ModelWindow>> {
+    static WINDOWS: OnceLock<Mutex<HashMap<String, ModelWindow>>> = OnceLock::new();
+    WINDOWS.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+fn record_recent(model: &str, usage: &pb::Usage, timings: Option<&pb::Timings>) {
+    let t = timings.copied().unwrap_or_default();
+    let computed = usage.prompt_tokens.saturating_sub(usage.cached_tokens);
+    let rate =
+        |tokens: u32, ms: f64| (tokens > 0 && ms > 0.0).then(|| f64::from(tokens) * 1e3 / ms);
+    let unix = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0);
+    let mut all = windows().lock().unwrap_or_else(|p| p.into_inner());
+    let w = all.entry(model.to_string()).or_default();
+    w.requests += 1;
+    w.prompt_tokens += u64::from(usage.prompt_tokens);
+    w.completion_tokens += u64::from(usage.completion_tokens);
+    w.cached[0] += u64::from(usage.cached_tokens_l0);
+    w.cached[1] += u64::from(usage.cached_tokens_l1);
+    w.cached[2] += u64::from(usage.cached_tokens_l2);
+    if w.recent.len() == RECENT_PER_MODEL {
+        w.recent.pop_front();
+    }
+    w.recent.push_back(Recent {
+        unix,
+        ttft_s: t.time_to_first_token_ms / 1e3,
+        prompt_tokens: usage.prompt_tokens,
+        cached_tokens: usage.cached_tokens,
+        prefill_tps: rate(computed, t.prefill_ms),
+        decode_tps: rate(usage.completion_tokens.saturating_sub(1), t.decode_ms),
+    });
+}
+
+fn percentile(sorted: &[f64], p: f64) -> Option<f64> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let at = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted.get(at).copied()
+}
+
+fn median_of(values: impl Iterator<Item = f64>) -> Option<f64> {
+    let mut v: Vec<f64> = values.collect();
+    v.sort_by(f64::total_cmp);
+    percentile(&v, 0.5)
+}
+
+/// Per model since the gateway started: requests, tokens, cached tokens by tier; over the
+/// recent requests: TTFT p50/p95, median prefill and decode speed, and the points to plot.
+pub fn dashboard_json() -> serde_json::Value {
+    let all = windows().lock().unwrap_or_else(|p| p.into_inner());
+    let models: serde_json::Map<String, serde_json::Value> = all
+        .iter()
+        .map(|(id, w)| {
+            let mut ttft: Vec<f64> = w.recent.iter().map(|r| r.ttft_s).collect();
+            ttft.sort_by(f64::total_cmp);
+            let value = serde_json::json!({
+                "requests": w.requests,
+                "prompt_tokens": w.prompt_tokens,
+                "completion_tokens": w.completion_tokens,
+                "cached_tokens": {"l0": w.cached[0], "l1": w.cached[1], "l2": w.cached[2]},
+                "ttft_p50_s": percentile(&ttft, 0.5),
+                "ttft_p95_s": percentile(&ttft, 0.95),
+                "prefill_tokens_per_s": median_of(w.recent.iter().filter_map(|r| r.prefill_tps)),
+                "decode_tokens_per_s": median_of(w.recent.iter().filter_map(|r| r.decode_tps)),
+                "recent": w.recent.iter().map(|r| serde_json::json!({
+                    "t": r.unix, "ttft_s": r.ttft_s,
+                    "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
+                })).collect::<Vec<_>>(),
+            });
+            (id.clone(), value)
+        })
+        .collect();
+    serde_json::json!({ "models": models })
 }
 
 /// The scrape: refreshes the gauges read from the processes, then renders everything.

@@ -56,9 +56,46 @@ pub fn router(state: AppState) -> Router {
         .merge(admin::router(state.clone()))
         .route("/health", get(health))
         .route("/metrics", get(metrics::scrape))
+        // The pages hold no data: their scripts fetch it with the admin token (or API key).
+        .route("/admin", get(dashboard_page))
+        .route("/admin/chat", get(chat_page))
         .route_layer(middleware::from_fn(metrics::track))
+        .route_layer(middleware::from_fn(traced))
         .fallback(not_found)
         .with_state(state)
+}
+
+async fn dashboard_page() -> axum::response::Html<&'static str> {
+    axum::response::Html(include_str!("dashboard.html"))
+}
+
+async fn chat_page() -> axum::response::Html<&'static str> {
+    axum::response::Html(include_str!("chat.html"))
+}
+
+/// One span per request (the root of its trace), named by the route pattern; the gRPC calls it
+/// makes carry its context to the workers.
+async fn traced(req: Request, next: Next) -> Response {
+    use tracing::Instrument;
+    let route = req
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_default();
+    let span = tracing::info_span!(
+        "http.request",
+        otel.name = %format!("{} {route}", req.method()),
+        otel.kind = "server",
+        http.request.method = %req.method(),
+        http.route = %route,
+        http.response.status_code = tracing::field::Empty,
+    );
+    let response = next.run(req).instrument(span.clone()).await;
+    span.record(
+        "http.response.status_code",
+        u64::from(response.status().as_u16()),
+    );
+    response
 }
 
 /// Anthropic's clients call /v1/messages…; everything else gets OpenAI's error shape.

@@ -71,6 +71,7 @@ impl CacheClient {
             file_reads: true,
         });
         req.set_timeout(deadline);
+        strata_runtime::logging::inject(&mut req);
         let mut stream = self.rpc.fetch(req).await?.into_inner();
         let mut pending = std::collections::VecDeque::new();
         let mut out = Vec::with_capacity(keys.len());

@@ -83,7 +83,15 @@ const FLUSH_BOUND: Duration = Duration::from_secs(10);
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    strata_runtime::logging::init("strata-kvcache");
+    let _traces = match &cli.command {
+        Command::Serve { .. } => {
+            strata_runtime::logging::init_from_env("strata-kvcache", "strata-kvcache")
+        }
+        _ => {
+            strata_runtime::logging::init("strata-kvcache");
+            None
+        }
+    };
     match cli.command {
         Command::Bench { dir, total, block } => {
             strata_kvcache::bench::run(strata_kvcache::bench::BenchArgs {

@@ -171,9 +171,15 @@ fn main() -> anyhow::Result<()> {
     // Must run before anything else: OpenBLAS reads its settings when libmlx loads.
     let reexec = blas_env::reexec_with_blas_env();
     let cli = Cli::parse();
-    strata_runtime::logging::init("strata-worker");
-    if let Err(e) = reexec {
+    // `serve` exports traces when the gateway says where (inside its runtime, below).
+    let reexec_warning = |e: &dyn std::fmt::Display| {
         tracing::warn!(error = %e, "could not re-execute with OpenBLAS settings; using its defaults");
+    };
+    if !matches!(cli.command, Command::Serve { .. }) {
+        strata_runtime::logging::init("strata-worker");
+        if let Err(e) = &reexec {
+            reexec_warning(e);
+        }
     }
     let device = mlx_device::select_default_device();
     let info = ModelInfo {
@@ -315,6 +321,19 @@ fn main() -> anyhow::Result<()> {
             memory_budget,
             store_decode_kv,
         } => {
+            let runtime = tokio::runtime::Runtime::new().context("start the tokio runtime")?;
+            let service_name = match (&model_id, &model) {
+                (Some(id), _) => format!("strata-worker-{id}"),
+                (None, Some(path)) => format!("strata-worker-{}", default_model_id(path)),
+                (None, None) => "strata-worker".to_string(),
+            };
+            let _traces = {
+                let _guard = runtime.enter();
+                strata_runtime::logging::init_from_env("strata-worker", &service_name)
+            };
+            if let Err(e) = &reexec {
+                reexec_warning(e);
+            }
             let serving = match &model {
                 Some(path) => {
                     let args = ModelArgs {
@@ -346,8 +365,17 @@ fn main() -> anyhow::Result<()> {
                 model_path: model,
                 ..info
             };
-            let runtime = tokio::runtime::Runtime::new().context("start the tokio runtime")?;
+
             let serving = serving.map(|mut s| {
+                let prefix_feature = match (&kvcache_socket, l0_bytes) {
+                    (Some(_), 0) => "on (cache service only, L0 off)".to_string(),
+                    (Some(_), l0) => format!("on (L0 {} MiB + cache service)", l0 >> 20),
+                    (None, 0) => "off (no cache service socket and L0 off)".to_string(),
+                    (None, l0) => {
+                        format!("on (L0 {} MiB only: no cache service socket)", l0 >> 20)
+                    }
+                };
+                s.features.push(("prefix_cache".into(), prefix_feature));
                 if kvcache_socket.is_some() || l0_bytes > 0 {
                     let _guard = runtime.enter();
                     s.prefix_cache = Some(PrefixCache::new(
@@ -443,6 +471,24 @@ fn serving(
         scheduler: Scheduler::start(loaded, options, queue, max_batch),
         context_length,
         prefix_cache: None,
+        features: vec![
+            (
+                "continuous_batching".into(),
+                format!("on (up to {max_batch} sequences per step)"),
+            ),
+            (
+                "memory_admission".into(),
+                format!("on (budget {} MiB)", budget >> 20),
+            ),
+            (
+                "store_decode_kv".into(),
+                if options.store_decode_kv {
+                    "on (generated tokens' blocks are cached; not bit-identical to prefill)".into()
+                } else {
+                    "off (generated tokens are cached by the next turn's prefill)".into()
+                },
+            ),
+        ],
     }
 }
 

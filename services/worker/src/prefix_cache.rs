@@ -19,6 +19,7 @@ use strata_kvcache::client::CacheClient;
 
 use strata_proto::kvcache::{Block, LookupRequest, Tier};
 use tokio::sync::mpsc;
+use tracing::Instrument;
 
 use crate::engine::kv::KvLayout;
 use crate::engine::sequence::FinishedBlock;
@@ -186,7 +187,8 @@ pub struct PrefixCache {
     namespace: Arc<str>,
     block_tokens: usize,
     layout: (u32, u32, u32, &'static str),
-    store: mpsc::Sender<Block>,
+    /// Blocks to store, each with the span of the request that computed it.
+    store: mpsc::Sender<(Block, tracing::Span)>,
     pub stats: Arc<PrefixStats>,
     cost: Arc<Mutex<CostModel>>,
 }
@@ -388,6 +390,7 @@ impl PrefixCache {
     fn sink(&self, prompt: &[u32], mut chain: Vec<BlockKey>) -> BlockSinkFn {
         let this = self.clone();
         let prompt_len = prompt.len();
+        let request_span = tracing::Span::current();
         Box::new(move |block: FinishedBlock| {
             let b = this.block_tokens;
             if block.index > chain.len() || block.tokens.is_empty() || block.tokens.len() > b {
@@ -424,7 +427,7 @@ impl PrefixCache {
             if this.client.is_none() {
                 return;
             }
-            if this.store.try_send(made).is_err() {
+            if this.store.try_send((made, request_span.clone())).is_err() {
                 this.stats
                     .blocks_store_dropped
                     .fetch_add(1, Ordering::Relaxed);
@@ -523,7 +526,20 @@ impl PrefixCache {
             block_tokens: b as u32,
         });
         req.set_timeout(LOOKUP_DEADLINE);
-        let found = match client.rpc().lookup(req).await {
+        let lookup_span = tracing::info_span!(
+            "cache.lookup",
+            keys = keys.len(),
+            in_l0 = have,
+            held = tracing::field::Empty,
+            partial_tokens = tracing::field::Empty,
+        );
+        let found = match async {
+            strata_runtime::logging::inject(&mut req);
+            client.rpc().lookup(req).await
+        }
+        .instrument(lookup_span.clone())
+        .await
+        {
             Ok(r) => r.into_inner(),
             Err(e) => {
                 self.stats.lookup_failures.fetch_add(1, Ordering::Relaxed);
@@ -532,6 +548,8 @@ impl PrefixCache {
             }
         };
         let held = found.blocks.len();
+        lookup_span.record("held", held);
+        lookup_span.record("partial_tokens", found.partial_tokens);
         if held < have {
             // The service holds less than L0: nothing to add.
             return out;
@@ -581,8 +599,16 @@ impl PrefixCache {
         }
         // Generous for big prefixes, bounded for a stuck service: 1 s plus 100 ms per block.
         let deadline = Duration::from_secs(1) + Duration::from_millis(100) * wanted.len() as u32;
+        let fetch_span = tracing::info_span!(
+            "cache.fetch",
+            blocks = wanted.len(),
+            tokens,
+            bytes,
+            tier = tier_label(&tiers),
+        );
         let blocks = match client
             .fetch_prefix(&self.namespace, &wanted, deadline)
+            .instrument(fetch_span)
             .await
         {
             Ok(blocks) => blocks,
@@ -624,6 +650,17 @@ impl PrefixCache {
     }
 }
 
+/// The tiers a fetch reads from, for its span: "l1", "l2" or "l1+l2".
+fn tier_label(tiers: &[Tier]) -> &'static str {
+    let ram = tiers.iter().any(|t| *t != Tier::Disk);
+    let disk = tiers.contains(&Tier::Disk);
+    match (ram, disk) {
+        (true, true) => "l1+l2",
+        (false, true) => "l2",
+        _ => "l1",
+    }
+}
+
 fn tier_name(tier: Option<i32>) -> &'static str {
     match tier.and_then(|t| Tier::try_from(t).ok()) {
         Some(Tier::Ram) => "l1",
@@ -643,21 +680,30 @@ struct Remote {
 /// Sends stored blocks to the cache service, as many per Store call as are waiting.
 async fn store_loop(
     mut client: CacheClient,
-    mut rx: mpsc::Receiver<Block>,
+    mut rx: mpsc::Receiver<(Block, tracing::Span)>,
     stats: Arc<PrefixStats>,
 ) {
-    while let Some(first) = rx.recv().await {
+    while let Some((first, parent)) = rx.recv().await {
         let mut batch = vec![first];
         while batch.len() < 32 {
             match rx.try_recv() {
-                Ok(b) => batch.push(b),
+                Ok((b, _)) => batch.push(b),
                 Err(_) => break,
             }
         }
         let n = batch.len() as u64;
+        let bytes: u64 = batch.iter().map(|b| b.payload.len() as u64).sum();
+        // A child of the request whose block came first (a batch may hold several requests').
+        let span = tracing::info_span!(parent: &parent, "cache.store", blocks = n, bytes);
         let mut req = tonic::Request::new(tokio_stream::iter(batch));
         req.set_timeout(Duration::from_secs(30));
-        match client.rpc().store(req).await {
+        let stored = async {
+            strata_runtime::logging::inject(&mut req);
+            client.rpc().store(req).await
+        }
+        .instrument(span)
+        .await;
+        match stored {
             Ok(r) => {
                 let r = r.into_inner();
                 stats

@@ -38,6 +38,9 @@ struct Job {
     prefix: Option<Prepared>,
     events: mpsc::Sender<JobEvent>,
     enqueued: Instant,
+    /// The request's span, and its child that lasts while the job waits for the engine.
+    span: tracing::Span,
+    queue_span: tracing::Span,
 }
 
 #[derive(Default)]
@@ -98,6 +101,7 @@ impl Scheduler {
         &self,
         request: GenerateRequest,
         prefix: Option<Prepared>,
+        span: tracing::Span,
     ) -> Result<mpsc::Receiver<JobEvent>, SubmitError> {
         let (events, rx) = mpsc::channel(EVENTS_PER_JOB);
         let job = Job {
@@ -105,6 +109,8 @@ impl Scheduler {
             prefix,
             events,
             enqueued: Instant::now(),
+            queue_span: tracing::info_span!(parent: &span, "queue"),
+            span,
         };
         self.counters.queued.fetch_add(1, Ordering::Relaxed);
         match self.jobs.try_send(job) {
@@ -127,6 +133,11 @@ struct Active {
     sink: Option<BlockSinkFn>,
     queued: Duration,
     failed: Option<EngineError>,
+    /// The request's span; prefill (entered for each chunk) and decode (from the first token
+    /// to the end) are its children.
+    span: tracing::Span,
+    prefill_span: Option<tracing::Span>,
+    decode_span: Option<tracing::Span>,
 }
 
 fn run(
@@ -159,13 +170,24 @@ fn run(
             .filter(|a| a.failed.is_none() && a.seq.needs_prefill())
             .min_by_key(|a| a.seq.prefill_left())
         {
+            let prefill_span = a
+                .prefill_span
+                .get_or_insert_with(|| {
+                    tracing::info_span!(parent: &a.span, "prefill", tokens = a.seq.prefill_left())
+                })
+                .clone();
+            let entered = prefill_span.enter();
             let sink = a
                 .sink
                 .as_mut()
                 .map(|f| &mut **f as &mut (dyn FnMut(FinishedBlock) + Send));
-            match a.seq.prefill_step(model, sink) {
+            let stepped = a.seq.prefill_step(model, sink);
+            drop(entered);
+            match stepped {
                 Ok(()) => {
                     if let Some(logits) = a.seq.take_prefill_logits() {
+                        a.prefill_span = None;
+                        a.decode_span = Some(tracing::info_span!(parent: &a.span, "decode"));
                         let events = a.events.clone();
                         let mut emit = |e: &TokenEvent| {
                             events.blocking_send(JobEvent::Token(e.clone())).is_ok()
@@ -239,6 +261,7 @@ fn admit(
         Some(p) => (p.cached, Some(p.sink)),
         None => (Vec::new(), None),
     };
+    drop(job.queue_span);
     let cached: Vec<CachedKv<'_>> = cached_blocks
         .iter()
         .map(|(bytes, tokens)| CachedKv {
@@ -253,6 +276,9 @@ fn admit(
             sink,
             queued,
             failed: None,
+            span: job.span,
+            prefill_span: None,
+            decode_span: None,
         }),
         Err(e) => {
             c.failed.fetch_add(1, Ordering::Relaxed);

@@ -13,6 +13,7 @@ use strata_proto::kvcache::{
 };
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
+use tracing::Instrument;
 
 use crate::block::BlockKey;
 use crate::store::Store;
@@ -86,9 +87,8 @@ fn internal(e: impl std::fmt::Display) -> Status {
     Status::internal(e.to_string())
 }
 
-#[tonic::async_trait]
-impl KvCache for KvCacheService {
-    async fn lookup(
+impl KvCacheService {
+    async fn do_lookup(
         &self,
         req: Request<LookupRequest>,
     ) -> Result<Response<LookupResponse>, Status> {
@@ -116,6 +116,12 @@ impl KvCache for KvCacheService {
         })
         .await
         .map_err(internal)?;
+        let span = tracing::Span::current();
+        span.record("held", found.len());
+        span.record(
+            "partial_tokens",
+            partial.as_ref().map(|p| p.tokens).unwrap_or(0),
+        );
         Ok(Response::new(LookupResponse {
             blocks: found
                 .into_iter()
@@ -134,12 +140,10 @@ impl KvCache for KvCacheService {
         }))
     }
 
-    type FetchStream = ReceiverStream<Result<Block, Status>>;
-
-    async fn fetch(
+    async fn do_fetch(
         &self,
         req: Request<FetchRequest>,
-    ) -> Result<Response<Self::FetchStream>, Status> {
+    ) -> Result<Response<ReceiverStream<Result<Block, Status>>>, Status> {
         let req = req.into_inner();
         let keys = keys(&req.keys)?;
         if req.namespace.is_empty() {
@@ -151,76 +155,88 @@ impl KvCache for KvCacheService {
         let budget = self.transient.clone();
         let namespace: std::sync::Arc<str> = req.namespace.into();
         let file_reads = req.file_reads;
-        tokio::spawn(async move {
-            // Up to FETCH_AHEAD blocks are read at once (disk reads run in parallel and overlap
-            // with sending); they are sent in request order.
-            let mut pending = std::collections::VecDeque::new();
-            let mut keys = keys.into_iter().peekable();
-            loop {
-                while pending.len() < FETCH_AHEAD {
-                    let Some(&key) = keys.peek() else { break };
-                    let sizing = store.clone();
-                    let size = tokio::task::spawn_blocking(move || sizing.payload_size(&key))
-                        .await
-                        .ok()
-                        .flatten()
-                        .unwrap_or(0);
-                    // Wait for budget only with nothing in hand; otherwise send what is read
-                    // first (waiting while holding permits could starve every stream).
-                    let permit = if pending.is_empty() {
-                        match reserve(&budget, size).await {
-                            Ok(p) => p,
-                            Err(_) => return,
-                        }
-                    } else {
-                        match try_reserve(&budget, size) {
-                            Some(p) => p,
-                            None => break,
+        tokio::spawn(
+            async move {
+                // Up to FETCH_AHEAD blocks are read at once (disk reads run in parallel and overlap
+                // with sending); they are sent in request order.
+                let mut pending = std::collections::VecDeque::new();
+                let mut sent = 0u64;
+                let mut keys = keys.into_iter().peekable();
+                loop {
+                    while pending.len() < FETCH_AHEAD {
+                        let Some(&key) = keys.peek() else { break };
+                        let sizing = store.clone();
+                        let size = tokio::task::spawn_blocking(move || sizing.payload_size(&key))
+                            .await
+                            .ok()
+                            .flatten()
+                            .unwrap_or(0);
+                        // Wait for budget only with nothing in hand; otherwise send what is read
+                        // first (waiting while holding permits could starve every stream).
+                        let permit = if pending.is_empty() {
+                            match reserve(&budget, size).await {
+                                Ok(p) => p,
+                                Err(_) => return,
+                            }
+                        } else {
+                            match try_reserve(&budget, size) {
+                                Some(p) => p,
+                                None => break,
+                            }
+                        };
+                        keys.next();
+                        let (store, namespace) = (store.clone(), namespace.clone());
+                        pending.push_back(tokio::task::spawn_blocking(move || {
+                            let found = if file_reads {
+                                store.fetch_or_locate(&namespace, &key)
+                            } else {
+                                store.fetch(&namespace, &key)
+                            };
+                            let item = match found {
+                                Ok(Some(b)) => Ok((*b).clone()),
+                                Ok(None) => {
+                                    Err(Status::not_found(format!("block {} not held", key.hex())))
+                                }
+                                Err(e) => Err(internal(e)),
+                            };
+                            (item, permit)
+                        }));
+                    }
+                    let Some(next) = pending.pop_front() else {
+                        break;
+                    };
+                    let (item, permit) = match next.await {
+                        Ok(done) => done,
+                        Err(e) => {
+                            let _ = tx.send(Err(internal(e))).await;
+                            break;
                         }
                     };
-                    keys.next();
-                    let (store, namespace) = (store.clone(), namespace.clone());
-                    pending.push_back(tokio::task::spawn_blocking(move || {
-                        let found = if file_reads {
-                            store.fetch_or_locate(&namespace, &key)
-                        } else {
-                            store.fetch(&namespace, &key)
-                        };
-                        let item = match found {
-                            Ok(Some(b)) => Ok((*b).clone()),
-                            Ok(None) => {
-                                Err(Status::not_found(format!("block {} not held", key.hex())))
-                            }
-                            Err(e) => Err(internal(e)),
-                        };
-                        (item, permit)
-                    }));
-                }
-                let Some(next) = pending.pop_front() else {
-                    break;
-                };
-                let (item, permit) = match next.await {
-                    Ok(done) => done,
-                    Err(e) => {
-                        let _ = tx.send(Err(internal(e))).await;
+                    let stop = item.is_err();
+                    if let Ok(b) = &item {
+                        sent += 1;
+                        let span = tracing::Span::current();
+                        span.record("blocks", sent);
+                        if b.file.is_some() {
+                            span.record("as_files", true);
+                        }
+                    }
+                    // The client went away (dropped the stream): stop reading blocks for it.
+                    let gone = tx.send(item).await.is_err();
+                    // In the channel now; the encoder takes it next. The budget is released here,
+                    // so each stream holds at most two blocks beyond it.
+                    drop(permit);
+                    if gone || stop {
                         break;
                     }
-                };
-                let stop = item.is_err();
-                // The client went away (dropped the stream): stop reading blocks for it.
-                let gone = tx.send(item).await.is_err();
-                // In the channel now; the encoder takes it next. The budget is released here,
-                // so each stream holds at most two blocks beyond it.
-                drop(permit);
-                if gone || stop {
-                    break;
                 }
             }
-        });
+            .instrument(tracing::Span::current()),
+        );
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
-    async fn store(
+    async fn do_store(
         &self,
         req: Request<Streaming<Block>>,
     ) -> Result<Response<StoreResponse>, Status> {
@@ -243,7 +259,60 @@ impl KvCache for KvCacheService {
                 }
             }
         }
+        let span = tracing::Span::current();
+        span.record("accepted", response.accepted);
+        span.record("refused", response.refused);
         Ok(Response::new(response))
+    }
+}
+
+#[tonic::async_trait]
+impl KvCache for KvCacheService {
+    // Each call is one span, a child of the caller's (W3C trace context in the metadata).
+    async fn lookup(
+        &self,
+        req: Request<LookupRequest>,
+    ) -> Result<Response<LookupResponse>, Status> {
+        let span = tracing::info_span!(
+            "kvcache.lookup",
+            otel.kind = "server",
+            keys = req.get_ref().keys.len(),
+            held = tracing::field::Empty,
+            partial_tokens = tracing::field::Empty,
+        );
+        strata_runtime::logging::adopt_parent(&span, req.metadata());
+        self.do_lookup(req).instrument(span).await
+    }
+
+    type FetchStream = ReceiverStream<Result<Block, Status>>;
+
+    async fn fetch(
+        &self,
+        req: Request<FetchRequest>,
+    ) -> Result<Response<Self::FetchStream>, Status> {
+        let span = tracing::info_span!(
+            "kvcache.fetch",
+            otel.kind = "server",
+            keys = req.get_ref().keys.len(),
+            blocks = tracing::field::Empty,
+            as_files = tracing::field::Empty,
+        );
+        strata_runtime::logging::adopt_parent(&span, req.metadata());
+        self.do_fetch(req).instrument(span).await
+    }
+
+    async fn store(
+        &self,
+        req: Request<Streaming<Block>>,
+    ) -> Result<Response<StoreResponse>, Status> {
+        let span = tracing::info_span!(
+            "kvcache.store",
+            otel.kind = "server",
+            accepted = tracing::field::Empty,
+            refused = tracing::field::Empty,
+        );
+        strata_runtime::logging::adopt_parent(&span, req.metadata());
+        self.do_store(req).instrument(span).await
     }
 
     async fn stats(&self, _req: Request<StatsRequest>) -> Result<Response<StatsResponse>, Status> {

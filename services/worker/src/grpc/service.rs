@@ -11,6 +11,7 @@ use strata_proto::worker::{
 };
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 use crate::engine::EngineError;
 use crate::engine::generate::{FinishReason, GenerateRequest};
@@ -41,6 +42,8 @@ pub struct Serving {
     pub context_length: usize,
     pub kv_layout: crate::engine::kv::KvLayout,
     pub admission: crate::admission::Admission,
+    /// Optional features and how they are set, for the stats (never a silent "off").
+    pub features: Vec<(String, String)>,
 }
 
 pub struct WorkerService {
@@ -234,15 +237,36 @@ impl Worker for WorkerService {
         req: Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let serving = self.serving()?.clone();
+        // One span per request, a child of the gateway's; the engine thread adds queue,
+        // prefill and decode under it, the prefix cache its lookup, fetch and store.
+        let span = tracing::info_span!(
+            "worker.generate",
+            otel.kind = "server",
+            model = %serving.model_id,
+            request_id = %req.get_ref().request_id,
+            prompt_tokens = tracing::field::Empty,
+            cached_tokens = tracing::field::Empty,
+            cached_l0 = tracing::field::Empty,
+            cached_l1 = tracing::field::Empty,
+            cached_l2 = tracing::field::Empty,
+            completion_tokens = tracing::field::Empty,
+            finish_reason = tracing::field::Empty,
+        );
+        strata_runtime::logging::adopt_parent(&span, req.metadata());
         let req = req.into_inner();
         let request_id = req.request_id.clone();
         let salt = req.cache_salt.clone();
         let prompt = req.prompt;
         let s2 = serving.clone();
-        let (_, ids) = tokio::task::spawn_blocking(move || s2.tokenize(prompt))
-            .await
-            .map_err(internal)??;
+        let tokenize_span = tracing::info_span!(parent: &span, "tokenize");
+        let (_, ids) = tokio::task::spawn_blocking(move || {
+            let _entered = tokenize_span.enter();
+            s2.tokenize(prompt)
+        })
+        .await
+        .map_err(internal)??;
         let prompt_tokens = ids.len();
+        span.record("prompt_tokens", prompt_tokens);
         // 0 asks for as many tokens as the context leaves room for.
         let max_tokens = match req.max_tokens {
             0 => serving.context_length.saturating_sub(prompt_tokens),
@@ -275,14 +299,22 @@ impl Worker for WorkerService {
                 }
             })?;
         let prepared = match &serving.prefix_cache {
-            Some(pc) => Some(pc.for_tenant(&salt).prepare(&request.prompt).await),
+            Some(pc) => Some(
+                pc.for_tenant(&salt)
+                    .prepare(&request.prompt)
+                    .instrument(span.clone())
+                    .await,
+            ),
             None => None,
         };
         let tiers = prepared.as_ref().map(|p| p.tiers).unwrap_or_default();
+        span.record("cached_l0", tiers.l0);
+        span.record("cached_l1", tiers.l1);
+        span.record("cached_l2", tiers.l2);
         let cost_model = serving.prefix_cache.clone();
         let mut events = serving
             .scheduler
-            .submit(request, prepared)
+            .submit(request, prepared, span.clone())
             .map_err(|e| match e {
                 SubmitError::Busy(_) => Status::resource_exhausted(e.to_string()),
                 SubmitError::Stopped => Status::unavailable(e.to_string()),
@@ -315,6 +347,11 @@ impl Worker for WorkerService {
                         })
                     }
                     JobEvent::Done { result, queued } => {
+                        if let Ok(g) = &result {
+                            span.record("cached_tokens", g.cached_tokens);
+                            span.record("completion_tokens", g.tokens.len());
+                            span.record("finish_reason", format!("{:?}", g.finish));
+                        }
                         if let (Ok(g), Some(pc)) = (&result, &cost_model) {
                             pc.record_prefill(g.prompt_tokens - g.cached_tokens, g.timings.prefill);
                         }
@@ -411,6 +448,9 @@ impl Worker for WorkerService {
                 .unwrap_or_default(),
             max_batch: serving.scheduler.max_batch as u32,
             prefix_cache: serving.prefix_cache.as_ref().map(|pc| pc.stats_message()),
+            resident_bytes: crate::admission::resident_bytes(),
+            memory_budget_bytes: serving.info.memory_budget_bytes,
+            features: serving.features.iter().cloned().collect(),
         }))
     }
 }
