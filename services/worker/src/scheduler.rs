@@ -269,7 +269,14 @@ fn admit(
             tokens: *tokens,
         })
         .collect();
-    match Sequence::new(model, job.request, options, &cached) {
+    let cached_tokens: usize = cached.iter().map(|c| c.tokens).sum();
+    let started = {
+        // Validation and the import of cached KV into the sequence's buffers.
+        let span = tracing::info_span!(parent: &job.span, "kv.import", tokens = cached_tokens);
+        let _entered = span.enter();
+        Sequence::new(model, job.request, options, &cached)
+    };
+    match started {
         Ok(seq) => active.push(Active {
             seq,
             events: job.events,
