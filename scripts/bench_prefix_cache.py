@@ -34,13 +34,15 @@ def post(url, body, token=None, stream=False):
     return urllib.request.urlopen(req, timeout=600)
 
 
-def ttft(base, ids):
-    """Seconds to the first streamed token, and the usage of the request."""
+def ttft(base, ids, max_tokens=4):
+    """Seconds to the first streamed token, and the usage of the request (with the text and
+    the seconds from the first to the last token)."""
     started = time.monotonic()
     first = None
+    last = None
     usage = None
     text = ""
-    with post(base + "/v1/completions", {"model": "m", "prompt": ids, "max_tokens": 4,
+    with post(base + "/v1/completions", {"model": "m", "prompt": ids, "max_tokens": max_tokens,
                                           "ignore_eos": True,
                                           "temperature": 0, "stream": True,
                                           "stream_options": {"include_usage": True}}) as r:
@@ -51,11 +53,14 @@ def ttft(base, ids):
             chunk = json.loads(line[6:])
             if chunk.get("choices") and first is None:
                 first = time.monotonic() - started
+            if chunk.get("choices"):
+                last = time.monotonic() - started
             for c in chunk.get("choices") or []:
                 text += c.get("text") or ""
             if chunk.get("usage"):
                 usage = chunk["usage"]
     usage["text"] = text
+    usage["decode_s"] = (last or 0) - (first or 0)
     return first, usage
 
 
@@ -170,7 +175,12 @@ def main():
             if len(set(texts)) != 1:
                 sys.exit(f"outputs differ at {n} tokens: {texts}")
             floor = cached * KV_BYTES_PER_TOKEN / (raw_gbps * 1e9) + decode_step
-            rows.append((n, cold, l0, l1, l2, floor, cached, dropped,
+            # A decode step at this prompt's context (attention reads the whole prefix): 17
+            # tokens on the cached prompt, (last - first) / 16.
+            _, u17 = ttft(base, ids, max_tokens=17)
+            step_here = u17["decode_s"] / 16
+            floor_here = cached * KV_BYTES_PER_TOKEN / (raw_gbps * 1e9) + step_here
+            rows.append((n, cold, l0, l1, l2, floor, floor_here, step_here, cached, dropped,
                          [u["strata_cached_tokens_by_tier"] for u in (u1, u2, u3)]))
     finally:
         proc.terminate()
@@ -179,11 +189,13 @@ def main():
     print(f"SmolLM2-135M (f32 KV, {KV_BYTES_PER_TOKEN} B/token), {os.cpu_count()} cores; "
           f"raw cold read of the cache dir {raw_gbps:.2f} GB/s; decode step {decode_step * 1e3:.0f} ms")
     print("| prompt tokens | cold TTFT (s) | L0 hit (s) | L1 hit (s) | L2 hit, cold cache (s) | "
-          "L2 floor (s) | cold / L2 | L2 / floor | cached tokens |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for n, cold, l0, l1, l2, floor, cached, dropped, tiers in rows:
+          "L2 floor (s) | cold / L2 | L2 / floor | decode step at this context (ms) | "
+          "floor with it (s) | L2 / that floor | cached tokens |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for n, cold, l0, l1, l2, floor, floor_here, step_here, cached, dropped, tiers in rows:
         print(f"| {n} | {cold:.2f} | {l0:.2f} | {l1:.2f} | {l2:.2f}{'' if dropped else ' (warm: not root)'} "
-              f"| {floor:.3f} | {cold / l2:.1f}x | {l2 / floor:.1f}x | {cached} |")
+              f"| {floor:.3f} | {cold / l2:.1f}x | {l2 / floor:.1f}x | {step_here * 1e3:.0f} "
+              f"| {floor_here:.3f} | {l2 / floor_here:.1f}x | {cached} |")
     for n, *_, tiers in rows:
         print(f"tiers reported for {n}: L0 run {tiers[0]}, L1 run {tiers[1]}, L2 run {tiers[2]}")
 

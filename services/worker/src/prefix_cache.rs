@@ -337,7 +337,10 @@ impl PrefixCache {
         }
         tiers.l0 = cached.len() * b;
         let in_l0 = cached.len();
-        let remote = self.fetch(prompt, &keys[..reusable], in_l0).await;
+        let l0_partial_tokens = l0_partial.as_ref().map_or(0, |(_, n, _)| *n);
+        let remote = self
+            .fetch(prompt, &keys[..reusable], in_l0, l0_partial_tokens)
+            .await;
         let mut l0 = lock(&self.l0);
         for (i, (bytes, tier)) in remote.blocks.into_iter().enumerate() {
             tiers.add(tier, b);
@@ -506,14 +509,21 @@ impl PrefixCache {
     /// Lookup over the whole chain (so the service can match a partial under the last block),
     /// then one streamed Fetch of what is missing, unless the cost model says recomputing it
     /// is faster.
-    async fn fetch(&self, prompt: &[u32], keys: &[BlockKey], have: usize) -> Remote {
+    async fn fetch(
+        &self,
+        prompt: &[u32],
+        keys: &[BlockKey],
+        have: usize,
+        have_partial: usize,
+    ) -> Remote {
         let mut out = Remote::default();
         let Some(client) = &self.client else {
             return out;
         };
         let b = self.block_tokens;
         let body = prompt.len().saturating_sub(1);
-        if keys.len() == have && body == have * b {
+        // Everything reusable is in L0 already.
+        if keys.len() == have && body == have * b + have_partial {
             return out;
         }
         self.stats.lookups.fetch_add(1, Ordering::Relaxed);
@@ -560,10 +570,14 @@ impl PrefixCache {
             .map(|l| Tier::try_from(l.tier).unwrap_or(Tier::Ram))
             .collect();
         let partial_tokens = found.partial_tokens as usize;
+        // A partial block is worth fetching if it continues blocks the service adds, or is
+        // longer than the one L0 has.
+        let partial_useful = held > have || partial_tokens > have_partial;
         let partial = found
             .partial
             .as_ref()
             .and_then(|p| BlockKey::from_slice(&p.key).map(|k| (k, p.tier)))
+            .filter(|_| partial_useful)
             .filter(|(key, _)| {
                 // Only a partial block of exactly these tokens under this parent.
                 let start = held * b;

@@ -242,11 +242,14 @@ impl KvCache {
         let row = l.head_dim * dtype_bytes(l.dtype);
         let shape = [1, l.kv_heads as i32, capacity as i32, l.head_dim as i32];
         let mut layers = Vec::with_capacity(l.num_layers);
+        // One staging buffer for every layer's K and V (MLX copies it): a fresh one each time
+        // would page-fault the whole prefix in again, which costs as much as the copy.
+        let mut buf = vec![0u8; l.kv_heads * capacity * row];
         for layer in 0..l.num_layers {
             let mut pair = Vec::with_capacity(2);
             for kv in 0..2 {
-                // [heads, capacity, dim]: each part's [heads, tokens, dim] goes at its offset.
-                let mut buf = vec![0u8; l.kv_heads * capacity * row];
+                // [heads, capacity, dim]: each part's [heads, tokens, dim] goes at its offset;
+                // the slots after the prefix stay zero.
                 let mut at = 0;
                 for (bytes, tokens) in parts {
                     let per_buf = tokens * l.kv_heads * row;
