@@ -2,9 +2,11 @@
 real binaries and the real SmolLM2 model: chat, streaming, completions, count_tokens, errors in
 each API's own shape, API keys, a client that disconnects mid-stream, and kill -9 of the worker
 mid-stream."""
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
@@ -62,6 +64,23 @@ def start_cluster(bin_dir, model, port, tmp, *extra):
     cluster = Cluster(proc, port, run_dir, log_path)
     cluster.wait_ready()
     return cluster
+
+
+def pick_port():
+    """A free TCP port on loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_cluster(bin_dir, model, tmp, *extra):
+    """`strata up` on a free port for the duration of the block, stopped after it."""
+    c = start_cluster(bin_dir, model, pick_port(), tmp, *extra)
+    try:
+        yield c
+    finally:
+        stop_cluster(c)
 
 
 def stop_cluster(cluster):

@@ -3,7 +3,6 @@ worker's stats show forward passes of 4 or more sequences), and a short request 
 long prompt is being prefilled gets its first token before that long prompt does (prefill is
 chunked and interleaved; an ordering check, not a timing)."""
 import json
-import socket
 import threading
 import time
 import urllib.request
@@ -11,17 +10,13 @@ import urllib.request
 import openai
 import pytest
 
-from test_api import MODEL, start_cluster, stop_cluster
+from test_api import MODEL, running_cluster
 
 
 @pytest.fixture(scope="module")
 def cluster(bin_dir, default_model, tmp_path_factory):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    c = start_cluster(bin_dir, default_model, port, tmp_path_factory.mktemp("batching"))
-    yield c
-    stop_cluster(c)
+    with running_cluster(bin_dir, default_model, tmp_path_factory.mktemp("batching")) as c:
+        yield c
 
 
 def worker_stats(cluster):

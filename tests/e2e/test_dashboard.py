@@ -5,26 +5,21 @@ dashboard is saved as a test artifact ($STRATA_TEST_ARTIFACTS, else the test's t
 import os
 import pathlib
 import shutil
-import socket
 import time
 
 import openai
 import pytest
 from playwright.sync_api import expect, sync_playwright
 
-from test_api import MODEL, start_cluster, stop_cluster
+from test_api import MODEL, running_cluster
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or "/usr/bin/chromium"
 
 
 @pytest.fixture(scope="module")
 def cluster(bin_dir, default_model, tmp_path_factory):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    c = start_cluster(bin_dir, default_model, port, tmp_path_factory.mktemp("dashboard"))
-    yield c
-    stop_cluster(c)
+    with running_cluster(bin_dir, default_model, tmp_path_factory.mktemp("dashboard")) as c:
+        yield c
 
 
 @pytest.fixture

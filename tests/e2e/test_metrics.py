@@ -2,24 +2,19 @@
 Prometheus text format: request counts by route and status, TTFT and inter-token latency per
 model, tokens in and out, cached tokens by tier and the hit ratio, the cache service's tiers,
 SSD writes and budget, restarts and queue depth."""
-import socket
 import urllib.request
 
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from test_api import MODEL, start_cluster, stop_cluster
+from test_api import MODEL, running_cluster
 
 
 @pytest.fixture(scope="module")
 def cluster(bin_dir, default_model, tmp_path_factory):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    c = start_cluster(bin_dir, default_model, port, tmp_path_factory.mktemp("metrics"))
-    yield c
-    stop_cluster(c)
+    with running_cluster(bin_dir, default_model, tmp_path_factory.mktemp("metrics")) as c:
+        yield c
 
 
 def scrape(cluster):

@@ -8,14 +8,13 @@ import os
 import pathlib
 import urllib.request
 import signal
-import socket
 import subprocess
 import time
 
 import openai
 import pytest
 
-from test_api import MODEL, start_cluster, stop_cluster
+from test_api import MODEL, pick_port, running_cluster, stop_cluster
 
 BLOCK = 256
 SYSTEM = " ".join(f"Rule {i}: always answer politely and mention the number {i}." for i in range(60))
@@ -23,12 +22,8 @@ SYSTEM = " ".join(f"Rule {i}: always answer politely and mention the number {i}.
 
 @pytest.fixture(scope="module")
 def cluster(bin_dir, default_model, tmp_path_factory):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    c = start_cluster(bin_dir, default_model, port, tmp_path_factory.mktemp("prefix"))
-    yield c
-    stop_cluster(c)
+    with running_cluster(bin_dir, default_model, tmp_path_factory.mktemp("prefix")) as c:
+        yield c
 
 
 def ask(cluster, question="What is the capital of France?", salt=None):
@@ -208,24 +203,16 @@ def test_generated_tokens_are_not_cached_by_default(cluster):
 
 
 def test_generated_tokens_are_cached_with_store_decode_kv(bin_dir, default_model, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    c = start_cluster(bin_dir, default_model, port, tmp_path, "--store-decode-kv")
-    try:
+    with running_cluster(bin_dir, default_model, tmp_path, "--store-decode-kv") as c:
         # The first block, 250 prompt tokens and 6 generated ones, came from the decode steps.
         assert two_turns(c, "decode-kv-on") == BLOCK
-    finally:
-        stop_cluster(c)
 
 
 def test_two_models_never_share_blocks(bin_dir, default_model, tmp_path):
     """The same token ids to two models (the GGUF and the f32 folder converted from it: same
     tokenizer, different fingerprints) through one cache service: no hit across them."""
     from test_api import Cluster
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = pick_port()
     f32 = default_model.parent.parent / "smollm2-135m-instruct-f32"
     config = tmp_path / "strata.toml"
     config.write_text(f"""

@@ -4,7 +4,6 @@ One chat request must be one trace holding the gateway's HTTP span, the worker's
 with its queue, tokenize, cache lookup, prefill and decode children, and the cache service's
 spans, with the right parent links and attributes."""
 import json
-import socket
 import subprocess
 import time
 import urllib.request
@@ -12,18 +11,12 @@ import urllib.request
 import openai
 import pytest
 
-from test_api import MODEL, start_cluster, stop_cluster
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from test_api import MODEL, pick_port, running_cluster
 
 
 @pytest.fixture(scope="module")
 def jaeger(bin_dir, tmp_path_factory):
-    otlp, http = free_port(), free_port()
+    otlp, http = pick_port(), pick_port()
     log = tmp_path_factory.mktemp("otlp") / "fixture.log"
     proc = subprocess.Popen([bin_dir / "strata-otlp-fixture", "--otlp", f"127.0.0.1:{otlp}",
                              "--http", f"127.0.0.1:{http}"],
@@ -42,10 +35,9 @@ def jaeger(bin_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(bin_dir, default_model, tmp_path_factory, jaeger):
-    c = start_cluster(bin_dir, default_model, free_port(), tmp_path_factory.mktemp("traces"),
-                      "--otlp-endpoint", jaeger[0])
-    yield c
-    stop_cluster(c)
+    with running_cluster(bin_dir, default_model, tmp_path_factory.mktemp("traces"),
+                         "--otlp-endpoint", jaeger[0]) as c:
+        yield c
 
 
 def tags(span):
