@@ -6,8 +6,8 @@
 For prompts of 1K, 2K and 4K tokens (token ids, so sizes are exact): TTFT cold, with the
 prefix in L0 (the worker), in L1 (the cache service's RAM, after a worker restart), and in
 L2 (its disk, after the cache service is killed, the worker restarted and the page cache
-dropped). After each worker restart an unrelated 16-token request warms the fresh worker up,
-so that the hit measures the cache path. The L2 floor is the prefix's KV bytes over the cache
+dropped). After each worker restart an unrelated prompt of the same length, cached in the same
+tier, warms the fresh worker up, so that the hit measures the cache path. The L2 floor is the prefix's KV bytes over the cache
 directory's raw cold read bandwidth (dd) plus one decode step. Every hit must return the cold
 run's greedy tokens. Prints a markdown table.
 """
@@ -17,6 +17,7 @@ import os
 import pathlib
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -115,6 +116,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin-dir", default="target/release")
     ap.add_argument("--sizes", default="1024,2048,4096")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each hit (median reported)")
     args = ap.parse_args()
     cache = pathlib.Path(os.environ.get("STRATA_CACHE", pathlib.Path.home() / ".cache/strata"))
     model = cache / "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -150,25 +152,40 @@ def main():
             ids = [rng.randrange(1000, 40000) for _ in range(n)]
             cold, u0 = ttft(base, ids)
             time.sleep(1)  # let the worker's stores reach the cache service
-            l0, u1 = ttft(base, ids)
+            runs = [ttft(base, ids) for _ in range(args.repeat)]
+            l0, u1 = [r[0] for r in runs], runs[-1][1]
+
+            # An unrelated prompt of the same length, cached too: after a worker restart it
+            # is requested first (a hit from the same tier), so that the measured hit does not
+            # pay a fresh process's one-off costs (MLX and OpenBLAS set-up, the first page
+            # faults of buffers this size) but measures the cache path as a running worker
+            # meets it.
+            other = [rng.randrange(1000, 40000) for _ in range(n)]
+            ttft(base, other)
+            time.sleep(1)
 
             def restart_worker():
                 before = pid_of(health(base)[1], "worker-m")
                 post(base + "/admin/api/workers/m/restart", {}, token).read()
                 wait_ready(base, proc, log, lambda b: pid_of(b, "worker-m") != before)
-                # A fresh worker's first request pays one-off costs (MLX and OpenBLAS set-up,
-                # first page faults of its buffers): an unrelated short request takes them, so
-                # the hit below measures the cache path, as it would in a running worker.
-                ttft(base, [rng.randrange(1000, 40000) for _ in range(16)])
+                ttft(base, other)
 
-            restart_worker()
-            l1, u2 = ttft(base, ids)
-            kv_pid = pid_of(health(base)[1], "kvcache")
-            os.kill(kv_pid, 9)
-            wait_ready(base, proc, log, lambda b: pid_of(b, "kvcache") != kv_pid)
-            restart_worker()
-            dropped = drop_caches()
-            l2, u3 = ttft(base, ids)
+            def l1_hit():
+                restart_worker()
+                return ttft(base, ids)
+
+            def l2_hit():
+                kv_pid = pid_of(health(base)[1], "kvcache")
+                os.kill(kv_pid, 9)
+                wait_ready(base, proc, log, lambda b: pid_of(b, "kvcache") != kv_pid)
+                restart_worker()
+                return (drop_caches(), *ttft(base, ids))
+
+            runs = [l1_hit() for _ in range(args.repeat)]
+            l1, u2 = [r[0] for r in runs], runs[-1][1]
+            runs = [l2_hit() for _ in range(args.repeat)]
+            dropped = all(r[0] for r in runs)
+            l2, u3 = [r[1] for r in runs], runs[-1][2]
             cached = u3["prompt_tokens_details"]["cached_tokens"]
             # Greedy output with a hit equals the cold run's (4 tokens each).
             texts = [u["text"] for u in (u0, u1, u2, u3)]
@@ -177,8 +194,8 @@ def main():
             floor = cached * KV_BYTES_PER_TOKEN / (raw_gbps * 1e9) + decode_step
             # A decode step at this prompt's context (attention reads the whole prefix): 17
             # tokens on the cached prompt, (last - first) / 16.
-            _, u17 = ttft(base, ids, max_tokens=17)
-            step_here = u17["decode_s"] / 16
+            step_here = statistics.median(
+                ttft(base, ids, max_tokens=17)[1]["decode_s"] / 16 for _ in range(args.repeat))
             floor_here = cached * KV_BYTES_PER_TOKEN / (raw_gbps * 1e9) + step_here
             rows.append((n, cold, l0, l1, l2, floor, floor_here, step_here, cached, dropped,
                          [u["strata_cached_tokens_by_tier"] for u in (u1, u2, u3)]))
@@ -188,14 +205,22 @@ def main():
 
     print(f"SmolLM2-135M (f32 KV, {KV_BYTES_PER_TOKEN} B/token), {os.cpu_count()} cores; "
           f"raw cold read of the cache dir {raw_gbps:.2f} GB/s; decode step {decode_step * 1e3:.0f} ms")
+    print(f"Hits: median of {args.repeat} runs (min-max); L1 and L2 runs each after a worker "
+          "restart, L2 runs each after killing the cache service and dropping the page cache.")
     print("| prompt tokens | cold TTFT (s) | L0 hit (s) | L1 hit (s) | L2 hit, cold cache (s) | "
           "L2 floor (s) | cold / L2 | L2 / floor | decode step at this context (ms) | "
           "floor with it (s) | L2 / that floor | cached tokens |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+    def spread(v):
+        return f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"
+
     for n, cold, l0, l1, l2, floor, floor_here, step_here, cached, dropped, tiers in rows:
-        print(f"| {n} | {cold:.2f} | {l0:.2f} | {l1:.2f} | {l2:.2f}{'' if dropped else ' (warm: not root)'} "
-              f"| {floor:.3f} | {cold / l2:.1f}x | {l2 / floor:.1f}x | {step_here * 1e3:.0f} "
-              f"| {floor_here:.3f} | {l2 / floor_here:.1f}x | {cached} |")
+        m2 = statistics.median(l2)
+        print(f"| {n} | {cold:.2f} | {spread(l0)} | {spread(l1)} | "
+              f"{spread(l2)}{'' if dropped else ' (warm: not root)'} "
+              f"| {floor:.3f} | {cold / m2:.1f}x | {m2 / floor:.2f}x | {step_here * 1e3:.0f} "
+              f"| {floor_here:.3f} | {m2 / floor_here:.2f}x | {cached} |")
     for n, *_, tiers in rows:
         print(f"tiers reported for {n}: L0 run {tiers[0]}, L1 run {tiers[1]}, L2 run {tiers[2]}")
 

@@ -170,6 +170,7 @@ impl ModelArgs {
 fn main() -> anyhow::Result<()> {
     // Must run before anything else: OpenBLAS reads its settings when libmlx loads.
     let reexec = blas_env::reexec_with_blas_env();
+    mlx_device::keep_freed_memory_mapped();
     let cli = Cli::parse();
     // `serve` exports traces when the gateway says where (inside its runtime, below).
     let reexec_warning = |e: &dyn std::fmt::Display| {
