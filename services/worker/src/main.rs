@@ -424,7 +424,9 @@ fn serving(
     if let Err(e) = mlx_rs::memory::set_cache_limit(cache_limit as usize) {
         tracing::warn!(error = %e, "could not bound MLX's buffer cache");
     }
-    // The baseline: the model resident, plus the L0 tier it may fill.
+    // The baseline: the model resident (without what loading freed), plus the L0 tier it
+    // may fill.
+    mlx_device::release_free_memory();
     let baseline = strata_worker::admission::resident_bytes() + l0_bytes;
     let admission = strata_worker::admission::Admission::new(
         budget,

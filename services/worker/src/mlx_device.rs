@@ -62,3 +62,14 @@ pub fn keep_freed_memory_mapped() {
         }
     }
 }
+
+/// Hands memory that is free right now back to the OS (glibc; elsewhere a no-op). Called once
+/// the model is loaded: loading frees large temporary buffers (dequantisation), which
+/// `keep_freed_memory_mapped` would otherwise keep resident for good.
+pub fn release_free_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free pages to the OS.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
