@@ -29,6 +29,14 @@ def default_model() -> pathlib.Path:
     return model
 
 
+@pytest.fixture(scope="session")
+def minilm_model() -> pathlib.Path:
+    cache = pathlib.Path(os.environ.get("STRATA_CACHE", pathlib.Path.home() / ".cache/strata"))
+    model = cache / "models/all-minilm-l6-v2"
+    assert (model / "model.safetensors").is_file(), f"{model} missing: run scripts/setup"
+    return model
+
+
 @pytest.fixture
 def free_port() -> int:
     with socket.socket() as s:

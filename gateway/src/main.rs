@@ -127,6 +127,10 @@ struct UpArgs {
     /// An API key /v1 accepts (repeatable); /v1 is open when none is configured.
     #[arg(long = "api-key", env = "STRATA_API_KEY")]
     api_keys: Vec<String>,
+    /// An embedding model (a BERT-family safetensors folder such as all-MiniLM-L6-v2) to
+    /// serve next to the others, under its folder name (repeatable).
+    #[arg(long = "embedding-model", env = "STRATA_EMBEDDING_MODEL")]
+    embedding_models: Vec<PathBuf>,
     /// Memory budget of each worker whose model has none in the config, e.g. 8GiB.
     #[arg(long, env = "STRATA_WORKER_MEMORY_BUDGET")]
     worker_memory_budget: Option<String>,
@@ -331,6 +335,26 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             store_decode_kv: false,
         }];
     }
+    for path in &args.embedding_models {
+        anyhow::ensure!(
+            path.is_dir(),
+            "embedding model {} is not a folder (expected config.json and *.safetensors)",
+            path.display()
+        );
+        let id = path
+            .file_name()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "embedding".into());
+        config.models.push(ModelConfig {
+            id,
+            path: path.clone(),
+            kind: ModelKind::Embedding,
+            aliases: Vec::new(),
+            pinned: true,
+            memory_budget: None,
+            store_decode_kv: false,
+        });
+    }
     config.validate()?;
     let otlp_endpoint = args.otlp_endpoint.clone().or(config.otlp_endpoint.clone());
     let child_envs: Vec<(String, String)> = otlp_endpoint
@@ -413,10 +437,9 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
     let mut models = Vec::new();
     for (i, m) in config.models.iter().enumerate() {
         anyhow::ensure!(
-            m.kind == ModelKind::Llm,
-            "model {}: kind {:?} is not served yet (only llm)",
-            m.id,
-            m.kind
+            m.kind != ModelKind::Vlm,
+            "model {}: kind vlm is not served yet (llm and embedding are)",
+            m.id
         );
         let socket = run_dir.join(format!("worker-{i}.sock"));
         let spec = ChildSpec {

@@ -3,6 +3,7 @@
 
 pub mod admin;
 pub mod anthropic;
+pub mod embeddings;
 pub mod error;
 pub mod generation;
 pub mod metrics;
@@ -45,6 +46,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models", get(openai::models))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
+        .route("/v1/embeddings", post(embeddings::embeddings))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route_layer(middleware::from_fn_with_state(

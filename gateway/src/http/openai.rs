@@ -262,8 +262,17 @@ pub async fn models(State(state): State<AppState>) -> Json<Value> {
         .registry
         .models()
         .iter()
-        .flat_map(|m| std::iter::once(&m.id).chain(&m.aliases))
-        .map(|id| json!({"id": id, "object": "model", "created": created, "owned_by": "strata"}))
+        .flat_map(|m| {
+            // Extensions: what kind of model it is and whether its worker is up now.
+            let state = m
+                .state()
+                .map(|s| format!("{:?}", s.phase).to_lowercase())
+                .unwrap_or_else(|| "unloaded".into());
+            std::iter::once(&m.id).chain(&m.aliases).map(move |id| {
+                json!({"id": id, "object": "model", "created": created, "owned_by": "strata",
+                       "kind": m.kind, "state": state})
+            })
+        })
         .collect();
     Json(json!({"object": "list", "data": data}))
 }

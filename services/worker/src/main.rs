@@ -6,11 +6,13 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use strata_proto::worker::InfoResponse;
 use strata_proto::worker::worker_server::WorkerServer;
+use strata_worker::embedder::Embedder;
 use strata_worker::engine::DtypePolicy;
+use strata_worker::engine::bert::BertConfig;
 use strata_worker::engine::generate::{EngineOptions, GenerateRequest};
 use strata_worker::engine::loader::{self, LoadedModel};
 use strata_worker::engine::sample::SamplingParams;
-use strata_worker::grpc::{ModelInfo, Serving, WorkerService};
+use strata_worker::grpc::{EmbeddingServing, ModelInfo, Served, Serving, WorkerService};
 use strata_worker::prefix_cache::PrefixCache;
 use strata_worker::scheduler::Scheduler;
 use strata_worker::template::ChatMessage;
@@ -335,7 +337,17 @@ fn main() -> anyhow::Result<()> {
             if let Err(e) = &reexec {
                 reexec_warning(e);
             }
+            let embedding = match &model {
+                Some(path) if is_embedding_model(path) => {
+                    let id = model_id.clone().unwrap_or_else(|| default_model_id(path));
+                    let budget = memory_budget
+                        .unwrap_or(strata_worker::admission::physical_bytes() / 10 * 8);
+                    Some(embedding_serving(id, path, queue, budget)?)
+                }
+                _ => None,
+            };
             let serving = match &model {
+                Some(_) if embedding.is_some() => None,
                 Some(path) => {
                     let args = ModelArgs {
                         model: path.clone(),
@@ -389,7 +401,12 @@ fn main() -> anyhow::Result<()> {
                 }
                 s
             });
-            runtime.block_on(serve(socket, info, serving))
+            let served = match (serving, embedding) {
+                (Some(s), _) => Some(Served::Llm(Box::new(s))),
+                (None, Some(e)) => Some(Served::Embedding(Box::new(e))),
+                (None, None) => None,
+            };
+            runtime.block_on(serve(socket, info, served))
         }
     }
 }
@@ -460,6 +477,7 @@ fn serving(
         dtype_policy: loaded.policy.to_string(),
         memory_budget_bytes: budget,
         memory_baseline_bytes: baseline,
+        embedding_dimensions: 0,
     };
     let context_length = config.context_length;
     let tokenizer = loaded.tokenizer.clone();
@@ -495,7 +513,57 @@ fn serving(
     }
 }
 
-async fn serve(socket: PathBuf, info: ModelInfo, serving: Option<Serving>) -> anyhow::Result<()> {
+/// A folder whose config.json describes a BERT-family encoder: served as an embedding model.
+fn is_embedding_model(path: &std::path::Path) -> bool {
+    std::fs::read(path.join("config.json"))
+        .ok()
+        .and_then(|bytes| serde_json::from_slice::<serde_json::Value>(&bytes).ok())
+        .is_some_and(|config| BertConfig::is_bert(&config))
+}
+
+/// Loads an embedding model and starts its engine thread.
+fn embedding_serving(
+    id: String,
+    path: &std::path::Path,
+    queue: usize,
+    budget: u64,
+) -> anyhow::Result<EmbeddingServing> {
+    let embedder = Embedder::start(path, queue)
+        .with_context(|| format!("load the embedding model {}", path.display()))?;
+    mlx_device::release_free_memory();
+    let baseline = strata_worker::admission::resident_bytes();
+    tracing::info!(
+        model = %id,
+        dimensions = embedder.dimensions,
+        max_tokens = embedder.max_tokens,
+        "embedding model loaded"
+    );
+    let info = InfoResponse {
+        model_id: id.clone(),
+        kind: "embedding".into(),
+        context_length: embedder.max_tokens as u32,
+        model_path: path.display().to_string(),
+        dtype_policy: DtypePolicy::F32.to_string(),
+        memory_budget_bytes: budget,
+        memory_baseline_bytes: baseline,
+        embedding_dimensions: embedder.dimensions as u32,
+        ..Default::default()
+    };
+    Ok(EmbeddingServing {
+        model_id: id,
+        info,
+        features: vec![(
+            "batching".into(),
+            format!(
+                "on (waiting inputs sorted by length, up to {} per forward pass)",
+                strata_worker::embedder::MAX_BATCH
+            ),
+        )],
+        embedder,
+    })
+}
+
+async fn serve(socket: PathBuf, info: ModelInfo, serving: Option<Served>) -> anyhow::Result<()> {
     let incoming = strata_runtime::uds::bind(&socket).await?;
     tracing::info!(socket = %socket.display(), mlx = %info.mlx_version, device = %info.device, "worker listening");
     strata_runtime::shutdown::serve_until_signal(

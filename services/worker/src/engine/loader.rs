@@ -141,7 +141,7 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
-fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
+pub(crate) fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
         .map_err(|e| EngineError::Load(format!("{}: {e}", dir.display())))?
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -178,7 +178,7 @@ fn token_string(v: &Option<serde_json::Value>) -> Option<String> {
     }
 }
 
-fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T> {
+pub(crate) fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T> {
     let bytes =
         std::fs::read(path).map_err(|e| EngineError::Load(format!("{}: {e}", path.display())))?;
     serde_json::from_slice(&bytes)

@@ -1,6 +1,7 @@
 //! The inference engine: model loading (GGUF, safetensors), the Llama-family decoder on MLX,
 //! the per-sequence KV cache, and the dtype policy that adapts all of it to the device.
 
+pub mod bert;
 pub mod config;
 pub mod generate;
 pub mod gguf;

@@ -2,4 +2,4 @@
 
 mod service;
 
-pub use service::{ModelInfo, Serving, WorkerService};
+pub use service::{EmbeddingServing, ModelInfo, Served, Serving, WorkerService};

@@ -13,6 +13,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
+use crate::embedder::Embedder;
 use crate::engine::EngineError;
 use crate::engine::generate::{FinishReason, GenerateRequest};
 use crate::engine::sample::{Sampled, SamplingParams};
@@ -46,25 +47,54 @@ pub struct Serving {
     pub features: Vec<(String, String)>,
 }
 
+/// An embedding model as the handlers see it.
+pub struct EmbeddingServing {
+    pub model_id: String,
+    pub info: InfoResponse,
+    pub embedder: Embedder,
+    pub features: Vec<(String, String)>,
+}
+
+/// What this worker serves: a generating model (llm) or an embedding model.
+pub enum Served {
+    Llm(Box<Serving>),
+    Embedding(Box<EmbeddingServing>),
+}
+
 pub struct WorkerService {
     info: ModelInfo,
     serving: Option<Arc<Serving>>,
+    embedding: Option<Arc<EmbeddingServing>>,
     started: Instant,
 }
 
 impl WorkerService {
-    pub fn new(info: ModelInfo, serving: Option<Serving>) -> Self {
+    pub fn new(info: ModelInfo, served: Option<Served>) -> Self {
+        let (serving, embedding) = match served {
+            Some(Served::Llm(s)) => (Some(Arc::from(s)), None),
+            Some(Served::Embedding(e)) => (None, Some(Arc::from(e))),
+            None => (None, None),
+        };
         Self {
             info,
-            serving: serving.map(Arc::new),
+            serving,
+            embedding,
             started: Instant::now(),
         }
     }
 
+    /// The generating model, or why this worker has none.
     fn serving(&self) -> Result<&Arc<Serving>, Status> {
-        self.serving
-            .as_ref()
-            .ok_or_else(|| Status::unimplemented("this worker was started without a model"))
+        if let Some(s) = &self.serving {
+            return Ok(s);
+        }
+        Err(match &self.embedding {
+            Some(e) => Status::invalid_argument(format!(
+                "model {} is an embedding model; it does not generate text (use /v1/embeddings)",
+                e.model_id
+            )),
+            None => Status::unimplemented("this worker was started without a model"),
+        })
     }
 }
 
@@ -211,6 +241,9 @@ impl Worker for WorkerService {
     }
 
     async fn info(&self, _req: Request<InfoRequest>) -> Result<Response<InfoResponse>, Status> {
+        if let Some(e) = &self.embedding {
+            return Ok(Response::new(e.info.clone()));
+        }
         Ok(Response::new(self.serving()?.info.clone()))
     }
 
@@ -395,12 +428,82 @@ impl Worker for WorkerService {
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
-    async fn embed(&self, _req: Request<EmbedRequest>) -> Result<Response<EmbedResponse>, Status> {
-        let serving = self.serving()?;
-        Err(Status::unimplemented(format!(
-            "model {} is a {} model; embeddings need an embedding model",
-            serving.model_id, serving.info.kind
-        )))
+    async fn embed(&self, req: Request<EmbedRequest>) -> Result<Response<EmbedResponse>, Status> {
+        let Some(e) = self.embedding.clone() else {
+            let serving = self.serving()?;
+            return Err(Status::invalid_argument(format!(
+                "model {} is a {} model; embeddings need an embedding model",
+                serving.model_id, serving.info.kind
+            )));
+        };
+        let req = req.into_inner();
+        let dims = e.embedder.dimensions;
+        if req.dimensions != 0 && req.dimensions as usize != dims {
+            return Err(Status::invalid_argument(format!(
+                "model {} makes vectors of {dims} dimensions and was not trained for shorter ones; \
+                 leave out dimensions or set it to {dims}",
+                e.model_id
+            )));
+        }
+        if req.inputs.is_empty() {
+            return Err(Status::invalid_argument("input must not be empty"));
+        }
+        let span =
+            tracing::info_span!("worker.embed", model = %e.model_id, inputs = req.inputs.len());
+        let e2 = e.clone();
+        let ids = tokio::task::spawn_blocking(move || {
+            req.inputs
+                .into_iter()
+                .enumerate()
+                .map(|(i, input)| {
+                    let ids = match input.input {
+                        Some(pb::embed_input::Input::Text(text)) => e2.embedder.tokenize(&text),
+                        Some(pb::embed_input::Input::TokenIds(t)) => Ok(e2.embedder.frame(&t.ids)),
+                        None => Err(EngineError::InvalidRequest("the input is empty".into())),
+                    }
+                    .map_err(|err| Status::invalid_argument(format!("input[{i}]: {err}")))?;
+                    // Checked here, so that one bad input never fails a batch it shares.
+                    if let Some(bad) = ids.iter().find(|&&t| t as usize >= e2.embedder.vocab_size) {
+                        return Err(Status::invalid_argument(format!(
+                            "input[{i}]: token id {bad} is outside the vocabulary of {}",
+                            e2.embedder.vocab_size
+                        )));
+                    }
+                    if ids.len() > e2.embedder.max_tokens {
+                        return Err(Status::invalid_argument(format!(
+                            "input[{i}] has {} tokens; model {} takes at most {}",
+                            ids.len(),
+                            e2.model_id,
+                            e2.embedder.max_tokens
+                        )));
+                    }
+                    Ok(ids)
+                })
+                .collect::<Result<Vec<_>, Status>>()
+        })
+        .instrument(span.clone())
+        .await
+        .map_err(internal)??;
+        let prompt_tokens = ids.iter().map(|i| i.len() as u32).sum();
+        let reply = e.embedder.submit(ids).map_err(|err| match err {
+            crate::embedder::SubmitError::Full(_) => Status::resource_exhausted(err.to_string()),
+            crate::embedder::SubmitError::Stopped => Status::unavailable(err.to_string()),
+        })?;
+        let vectors = reply
+            .instrument(span)
+            .await
+            .map_err(|_| Status::internal("the embedding engine dropped the request"))?
+            .map_err(|err| match err {
+                EngineError::InvalidRequest(why) => Status::invalid_argument(why),
+                other => Status::internal(other.to_string()),
+            })?;
+        Ok(Response::new(EmbedResponse {
+            embeddings: vectors
+                .into_iter()
+                .map(|values| pb::Embedding { values })
+                .collect(),
+            prompt_tokens,
+        }))
     }
 
     async fn probe(
@@ -431,6 +534,26 @@ impl Worker for WorkerService {
     }
 
     async fn stats(&self, _req: Request<StatsRequest>) -> Result<Response<StatsResponse>, Status> {
+        if let Some(e) = &self.embedding {
+            let c = &e.embedder.counters;
+            return Ok(Response::new(StatsResponse {
+                requests_total: c.requests.load(Ordering::Relaxed),
+                requests_failed: c.failed.load(Ordering::Relaxed),
+                prompt_tokens_total: c.tokens.load(Ordering::Relaxed),
+                queue_capacity: e.embedder.queue_capacity as u32,
+                // For an embedding model: forward passes by how many inputs ran together.
+                decode_batch_histogram: c
+                    .batches
+                    .lock()
+                    .map(|h| h.iter().map(|(k, v)| (*k, *v)).collect())
+                    .unwrap_or_default(),
+                max_batch: crate::embedder::MAX_BATCH as u32,
+                resident_bytes: crate::admission::resident_bytes(),
+                memory_budget_bytes: e.info.memory_budget_bytes,
+                features: e.features.iter().cloned().collect(),
+                ..Default::default()
+            }));
+        }
         let serving = self.serving()?;
         let c = &serving.scheduler.counters;
         Ok(Response::new(StatsResponse {

@@ -49,3 +49,14 @@ pub fn derived_model(rel: &str) -> PathBuf {
     );
     path
 }
+
+/// all-MiniLM-L6-v2, fetched by scripts/setup; a missing folder is a failure, not a skip.
+pub fn minilm_dir() -> PathBuf {
+    let path = cache_dir().join("models/all-minilm-l6-v2");
+    assert!(
+        path.join("model.safetensors").is_file(),
+        "{} missing: run scripts/setup",
+        path.display()
+    );
+    path
+}

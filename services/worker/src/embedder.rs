@@ -1,0 +1,196 @@
+//! Serving an embedding model: tokenization with the model's own tokenizer, and one engine
+//! thread that batches what is waiting. Inputs of the requests waiting together are sorted by
+//! length and cut into batches of at most `MAX_BATCH`, so padding stays small; each request
+//! gets its vectors back in its own order.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, SyncSender, TrySendError};
+
+use tokio::sync::oneshot;
+
+use crate::engine::bert::BertEncoder;
+use crate::engine::{EngineError, Result};
+
+/// Inputs computed together in one forward pass.
+pub const MAX_BATCH: usize = 32;
+
+/// One input: its token ids, special tokens included.
+pub type TokenIds = Vec<u32>;
+
+struct Job {
+    inputs: Vec<TokenIds>,
+    reply: oneshot::Sender<Result<Vec<Vec<f32>>>>,
+}
+
+#[derive(Default)]
+pub struct EmbedCounters {
+    pub requests: AtomicU64,
+    pub failed: AtomicU64,
+    pub inputs: AtomicU64,
+    pub tokens: AtomicU64,
+    /// Forward passes by how many inputs ran together in them.
+    pub batches: std::sync::Mutex<std::collections::BTreeMap<u32, u64>>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SubmitError {
+    #[error("the embedding queue is full ({0} requests waiting); retry later")]
+    Full(usize),
+    #[error("the embedding engine has stopped")]
+    Stopped,
+}
+
+/// A cheap handle to the engine thread.
+#[derive(Clone)]
+pub struct Embedder {
+    tx: SyncSender<Job>,
+    tokenizer: Arc<tokenizers::Tokenizer>,
+    pub counters: Arc<EmbedCounters>,
+    pub dimensions: usize,
+    pub max_tokens: usize,
+    pub queue_capacity: usize,
+    /// Token ids must be below this.
+    pub vocab_size: usize,
+    cls_sep: Option<(u32, u32)>,
+}
+
+impl Embedder {
+    /// Loads the encoder and its tokenizer from `dir` and starts the engine thread.
+    pub fn start(dir: &Path, queue: usize) -> Result<Self> {
+        let encoder = BertEncoder::load(dir)?;
+        let mut tokenizer = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json"))
+            .map_err(|e| EngineError::Load(format!("tokenizer.json: {e}")))?;
+        // The file's own padding and truncation are for another use (sentence-transformers
+        // overrides them too): we pad per batch, and refuse over-long inputs.
+        tokenizer.with_padding(None);
+        tokenizer
+            .with_truncation(None)
+            .map_err(|e| EngineError::Load(format!("tokenizer.json: {e}")))?;
+        let cls_sep = tokenizer
+            .token_to_id("[CLS]")
+            .zip(tokenizer.token_to_id("[SEP]"));
+        let dimensions = encoder.dimensions();
+        let vocab_size = encoder.vocab_size();
+        let max_tokens = encoder.max_tokens;
+        let counters = Arc::new(EmbedCounters::default());
+        let (tx, rx) = mpsc::sync_channel::<Job>(queue.max(1));
+        let c = counters.clone();
+        std::thread::Builder::new()
+            .name("embed-engine".into())
+            .spawn(move || run(encoder, rx, c))
+            .map_err(|e| EngineError::Config(format!("cannot start the engine thread: {e}")))?;
+        Ok(Self {
+            tx,
+            tokenizer: Arc::new(tokenizer),
+            counters,
+            dimensions,
+            max_tokens,
+            queue_capacity: queue.max(1),
+            vocab_size,
+            cls_sep,
+        })
+    }
+
+    /// Token ids of a text, with the model's special tokens.
+    pub fn tokenize(&self, text: &str) -> Result<TokenIds> {
+        let encoding = self
+            .tokenizer
+            .encode(text, true)
+            .map_err(|e| EngineError::InvalidRequest(format!("cannot tokenize: {e}")))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Token ids given by a client, framed by [CLS] .. [SEP] as a text would be.
+    pub fn frame(&self, ids: &[u32]) -> TokenIds {
+        match self.cls_sep {
+            Some((cls, sep)) => std::iter::once(cls)
+                .chain(ids.iter().copied())
+                .chain(std::iter::once(sep))
+                .collect(),
+            None => ids.to_vec(),
+        }
+    }
+
+    /// Queues the inputs; the receiver yields one vector per input, in order.
+    pub fn submit(
+        &self,
+        inputs: Vec<TokenIds>,
+    ) -> Result<oneshot::Receiver<Result<Vec<Vec<f32>>>>, SubmitError> {
+        let (reply, rx) = oneshot::channel();
+        match self.tx.try_send(Job { inputs, reply }) {
+            Ok(()) => Ok(rx),
+            Err(TrySendError::Full(_)) => Err(SubmitError::Full(self.queue_capacity)),
+            Err(TrySendError::Disconnected(_)) => Err(SubmitError::Stopped),
+        }
+    }
+}
+
+/// The engine thread: takes every job waiting, computes their inputs in length-sorted
+/// batches, answers each job.
+fn run(encoder: BertEncoder, rx: mpsc::Receiver<Job>, c: Arc<EmbedCounters>) {
+    while let Ok(first) = rx.recv() {
+        let mut jobs = vec![first];
+        while let Ok(job) = rx.try_recv() {
+            jobs.push(job);
+        }
+        // (job, input) of every input, shortest first.
+        let mut order: Vec<(usize, usize)> = jobs
+            .iter()
+            .enumerate()
+            .flat_map(|(j, job)| (0..job.inputs.len()).map(move |i| (j, i)))
+            .collect();
+        order.sort_by_key(|&(j, i)| jobs[j].inputs[i].len());
+        let mut results: Vec<Vec<Option<Vec<f32>>>> =
+            jobs.iter().map(|j| vec![None; j.inputs.len()]).collect();
+        // (invalid input?, why) of a job whose batch failed.
+        let mut failed: Vec<Option<(bool, String)>> = vec![None; jobs.len()];
+        for batch in order.chunks(MAX_BATCH) {
+            let inputs: Vec<TokenIds> = batch
+                .iter()
+                .map(|&(j, i)| jobs[j].inputs[i].clone())
+                .collect();
+            match encoder.embed(&inputs) {
+                Ok(vectors) => {
+                    if let Ok(mut h) = c.batches.lock() {
+                        *h.entry(batch.len() as u32).or_default() += 1;
+                    }
+                    for (&(j, i), v) in batch.iter().zip(vectors) {
+                        results[j][i] = Some(v);
+                    }
+                }
+                Err(e) => {
+                    let invalid = matches!(e, EngineError::InvalidRequest(_));
+                    for &(j, _) in batch {
+                        failed[j] = Some((invalid, e.to_string()));
+                    }
+                }
+            }
+        }
+        for ((job, vectors), failure) in jobs.into_iter().zip(results).zip(failed) {
+            c.requests.fetch_add(1, Ordering::Relaxed);
+            let answer = match failure {
+                Some((invalid, why)) => {
+                    c.failed.fetch_add(1, Ordering::Relaxed);
+                    Err(if invalid {
+                        EngineError::InvalidRequest(why)
+                    } else {
+                        EngineError::Mlx(why)
+                    })
+                }
+                None => {
+                    c.inputs
+                        .fetch_add(job.inputs.len() as u64, Ordering::Relaxed);
+                    c.tokens.fetch_add(
+                        job.inputs.iter().map(|i| i.len() as u64).sum(),
+                        Ordering::Relaxed,
+                    );
+                    Ok(vectors.into_iter().flatten().collect())
+                }
+            };
+            // The client may have gone; nothing to do then.
+            let _ = job.reply.send(answer);
+        }
+    }
+}
