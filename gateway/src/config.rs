@@ -53,6 +53,10 @@ pub struct Config {
     pub cache: CacheConfig,
     #[serde(default)]
     pub models: Vec<ModelConfig>,
+    /// Memory for all workers together, e.g. "12GiB": loading a model that would not fit
+    /// first unloads the least recently used unpinned, idle ones [default: no limit].
+    #[serde(default)]
+    pub models_memory_budget: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -97,6 +101,13 @@ pub struct ModelConfig {
     /// Also cache blocks of generated tokens (see `strata-worker serve --store-decode-kv`).
     #[serde(default)]
     pub store_decode_kv: bool,
+    /// Load when `strata up` starts even if not pinned [default: only pinned models start
+    /// loaded; the others load on their first request].
+    #[serde(default)]
+    pub preload: bool,
+    /// Unload after this many seconds without a request (never while pinned).
+    #[serde(default)]
+    pub idle_ttl_secs: Option<u64>,
 }
 
 fn default_bind() -> SocketAddr {
@@ -128,6 +139,7 @@ impl Default for Config {
             run_dir: None,
             cache: CacheConfig::default(),
             models: Vec::new(),
+            models_memory_budget: None,
         }
     }
 }

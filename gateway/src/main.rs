@@ -131,6 +131,9 @@ struct UpArgs {
     /// serve next to the others, under its folder name (repeatable).
     #[arg(long = "embedding-model", env = "STRATA_EMBEDDING_MODEL")]
     embedding_models: Vec<PathBuf>,
+    /// Memory for all workers together, e.g. 12GiB; see `models_memory_budget` in strata.toml.
+    #[arg(long, env = "STRATA_MODELS_MEMORY_BUDGET")]
+    models_memory_budget: Option<String>,
     /// Memory budget of each worker whose model has none in the config, e.g. 8GiB.
     #[arg(long, env = "STRATA_WORKER_MEMORY_BUDGET")]
     worker_memory_budget: Option<String>,
@@ -333,6 +336,8 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             pinned: true,
             memory_budget: None,
             store_decode_kv: false,
+            preload: false,
+            idle_ttl_secs: None,
         }];
     }
     for path in &args.embedding_models {
@@ -353,6 +358,8 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             pinned: true,
             memory_budget: None,
             store_decode_kv: false,
+            preload: false,
+            idle_ttl_secs: None,
         });
     }
     config.validate()?;
@@ -474,20 +481,35 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             socket,
             envs: child_envs.clone(),
         };
-        models.push(ModelEntry::new(
-            m.id.clone(),
-            m.aliases.clone(),
-            m.kind,
-            m.pinned,
-            m.path.clone(),
-            spec,
-        ));
+        let memory = memory_estimate(m, args.worker_memory_budget.as_deref())?;
+        models.push(
+            ModelEntry::new(
+                m.id.clone(),
+                m.aliases.clone(),
+                m.kind,
+                m.pinned,
+                m.path.clone(),
+                spec,
+            )
+            .with_memory(memory, m.idle_ttl_secs.map(Duration::from_secs)),
+        );
     }
-    let registry = Registry::new(models);
-    // Every configured model starts loaded.
-    for m in registry.models() {
-        m.load();
+    let budget = args
+        .models_memory_budget
+        .clone()
+        .or(config.models_memory_budget.clone())
+        .map(|b| parse_size::parse_size(&b).with_context(|| format!("models memory budget {b:?}")))
+        .transpose()?;
+    let registry = Registry::new(models, budget);
+    // Pinned (and preloaded) models start loaded, the rest on their first request.
+    for (m, c) in registry.models().iter().zip(&config.models) {
+        if (m.pinned() || c.preload)
+            && let Err(e) = registry.load(m).await
+        {
+            anyhow::bail!("cannot start model {}: {}", m.id, e.message);
+        }
     }
+    tokio::spawn(registry.clone().unload_idle());
 
     let listener = tokio::net::TcpListener::bind(config.bind)
         .await
@@ -546,6 +568,43 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// What a model's worker is counted for against the models' budget: its own memory budget
+/// when one is set (the worker never grows past it), else an estimate from its weight files:
+/// a GGUF's quantised weights are expanded to f32 on the CPU (about 6x; SmolLM2's 98 MB
+/// Q4_1 file holds ~600 MB resident), safetensors are loaded about as stored; plus the
+/// worker's 256 MiB L0 for an LLM.
+fn memory_estimate(m: &ModelConfig, default_budget: Option<&str>) -> anyhow::Result<u64> {
+    if let Some(b) = m.memory_budget.as_deref().or(default_budget) {
+        return parse_size::parse_size(b)
+            .with_context(|| format!("model {}: memory budget {b:?}", m.id));
+    }
+    let files: Vec<PathBuf> = if m.path.is_dir() {
+        std::fs::read_dir(&m.path)
+            .with_context(|| format!("read {}", m.path.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+            .collect()
+    } else {
+        vec![m.path.clone()]
+    };
+    let bytes: u64 = files
+        .iter()
+        .filter_map(|f| std::fs::metadata(f).ok())
+        .map(|md| md.len())
+        .sum();
+    let weights = if m.path.is_dir() {
+        bytes * 3 / 2
+    } else {
+        bytes * 6
+    };
+    let l0 = if m.kind == ModelKind::Embedding {
+        0
+    } else {
+        256 << 20
+    };
+    Ok(weights + l0 + (64 << 20))
 }
 
 /// Logs each child's progress until all are ready once (models take a while to load).

@@ -4,8 +4,9 @@
 //! Retry-After at once.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use strata_proto::worker::worker_client::WorkerClient;
 use tokio::sync::{mpsc, watch};
@@ -35,6 +36,24 @@ pub struct ModelEntry {
     spec: ChildSpec,
     client: WorkerClient<Channel>,
     running: Mutex<Option<Running>>,
+    /// Bytes this model's worker is counted for against the models' shared budget.
+    pub memory_bytes: u64,
+    /// Unloaded after this long without requests (never when pinned).
+    pub idle_ttl: Option<Duration>,
+    /// Milliseconds since the registry started at the last request (LRU order).
+    last_used_ms: AtomicU64,
+    /// Requests being served now; a model serving one is never unloaded to make room.
+    in_flight: Arc<AtomicUsize>,
+}
+
+/// Held while a request uses a model's worker: keeps it from being unloaded under the
+/// request.
+pub struct InFlight(Arc<AtomicUsize>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -64,7 +83,26 @@ impl ModelEntry {
             spec,
             client,
             running: Mutex::new(None),
+            memory_bytes: 0,
+            idle_ttl: None,
+            last_used_ms: AtomicU64::new(0),
+            in_flight: Arc::new(AtomicUsize::new(0)),
         }
+    }
+
+    /// Counted for `bytes` against the shared budget, unloaded after `idle_ttl` unused.
+    pub fn with_memory(mut self, bytes: u64, idle_ttl: Option<Duration>) -> Self {
+        self.memory_bytes = bytes;
+        self.idle_ttl = idle_ttl;
+        self
+    }
+
+    pub fn is_loaded(&self) -> bool {
+        lock(&self.running).is_some()
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Relaxed)
     }
 
     pub fn worker_name(&self) -> &str {
@@ -151,15 +189,165 @@ impl ModelEntry {
     }
 }
 
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct Registry {
     models: Arc<Vec<Arc<ModelEntry>>>,
+    /// Memory for all workers together; None: no limit.
+    budget_bytes: Option<u64>,
+    /// Serialises load and unload decisions, so two requests never both make room.
+    loading: Arc<tokio::sync::Mutex<()>>,
+    started: Instant,
 }
 
+impl Default for Registry {
+    fn default() -> Self {
+        Self::new(Vec::new(), None)
+    }
+}
+
+/// How long a request waits for its model's worker to load.
+const LOAD_WAIT: Duration = Duration::from_secs(300);
+
 impl Registry {
-    pub fn new(models: Vec<ModelEntry>) -> Self {
+    pub fn new(models: Vec<ModelEntry>, budget_bytes: Option<u64>) -> Self {
         Self {
             models: Arc::new(models.into_iter().map(Arc::new).collect()),
+            budget_bytes,
+            loading: Arc::new(tokio::sync::Mutex::new(())),
+            started: Instant::now(),
+        }
+    }
+
+    pub fn budget_bytes(&self) -> Option<u64> {
+        self.budget_bytes
+    }
+
+    /// Bytes counted for the loaded models.
+    pub fn used_bytes(&self) -> u64 {
+        self.models
+            .iter()
+            .filter(|m| m.is_loaded())
+            .map(|m| m.memory_bytes)
+            .sum()
+    }
+
+    /// A client to `model`'s worker for one request: loads the model first when it is not
+    /// (making room by unloading the least recently used unpinned, idle models), then waits
+    /// until its worker is ready. The guard keeps the model loaded while it is held.
+    pub async fn acquire(
+        &self,
+        model: &Arc<ModelEntry>,
+    ) -> Result<(WorkerClient<Channel>, InFlight), ApiError> {
+        model.in_flight.fetch_add(1, Ordering::Relaxed);
+        let guard = InFlight(model.in_flight.clone());
+        self.touch(model);
+        if !model.is_loaded() {
+            self.load(model).await?;
+        }
+        let Some(mut state) = model.state_watch() else {
+            return Err(model.ready_client().err().unwrap_or_else(|| {
+                ApiError::new(ErrorKind::Overloaded, "the model was unloaded; retry")
+            }));
+        };
+        // Wait out a load in progress; a worker that is restarting answers at once (503).
+        let waited = tokio::time::timeout(LOAD_WAIT, async {
+            loop {
+                let phase = state.borrow_and_update().phase;
+                if phase != Phase::Starting || state.changed().await.is_err() {
+                    break;
+                }
+            }
+        })
+        .await;
+        if waited.is_err() {
+            return Err(ApiError::new(
+                ErrorKind::Overloaded,
+                format!(
+                    "model {} did not finish loading within {} s; retry later",
+                    model.id,
+                    LOAD_WAIT.as_secs()
+                ),
+            ));
+        }
+        Ok((model.ready_client()?, guard))
+    }
+
+    fn touch(&self, model: &ModelEntry) {
+        let now = self.started.elapsed().as_millis() as u64;
+        model.last_used_ms.store(now, Ordering::Relaxed);
+    }
+
+    /// Starts `model`'s worker if it is not running, unloading least recently used unpinned
+    /// models without requests in flight until it fits the budget. True when it started one.
+    pub async fn load(&self, model: &Arc<ModelEntry>) -> Result<bool, ApiError> {
+        let _decide = self.loading.lock().await;
+        if model.is_loaded() {
+            return Ok(false);
+        }
+        if let Some(budget) = self.budget_bytes {
+            let mut victims: Vec<&Arc<ModelEntry>> = self
+                .models
+                .iter()
+                .filter(|m| {
+                    m.is_loaded() && !m.pinned() && m.in_flight() == 0 && !Arc::ptr_eq(m, model)
+                })
+                .collect();
+            victims.sort_by_key(|m| m.last_used_ms.load(Ordering::Relaxed));
+            let mut victims = victims.into_iter();
+            while self.used_bytes() + model.memory_bytes > budget {
+                let Some(victim) = victims.next() else {
+                    let holders: Vec<String> = self
+                        .models
+                        .iter()
+                        .filter(|m| m.is_loaded())
+                        .map(|m| {
+                            let why = if m.pinned() { "pinned" } else { "in use" };
+                            format!("{} ({} MiB, {why})", m.id, m.memory_bytes >> 20)
+                        })
+                        .collect();
+                    return Err(ApiError::new(
+                        ErrorKind::Overloaded,
+                        format!(
+                            "model {} needs {} MiB but the models' memory budget of {} MiB is held by: {}; retry later, or unpin or unload a model",
+                            model.id,
+                            model.memory_bytes >> 20,
+                            budget >> 20,
+                            holders.join(", ")
+                        ),
+                    ));
+                };
+                tracing::info!(
+                    unloaded = %victim.id,
+                    for_model = %model.id,
+                    "unloading the least recently used model to make room"
+                );
+                victim.unload().await;
+            }
+        }
+        tracing::info!(model = %model.id, memory_mib = model.memory_bytes >> 20, "loading model");
+        Ok(model.load())
+    }
+
+    /// Unloads unpinned models that have had no request for their idle TTL; runs until the
+    /// registry is dropped by everyone else.
+    pub async fn unload_idle(self) {
+        let mut tick = tokio::time::interval(Duration::from_millis(500));
+        loop {
+            tick.tick().await;
+            let now = self.started.elapsed().as_millis() as u64;
+            for m in self.models.iter() {
+                let Some(ttl) = m.idle_ttl else { continue };
+                let idle = now.saturating_sub(m.last_used_ms.load(Ordering::Relaxed));
+                if m.is_loaded()
+                    && !m.pinned()
+                    && m.in_flight() == 0
+                    && idle >= ttl.as_millis() as u64
+                {
+                    let _decide = self.loading.lock().await;
+                    tracing::info!(model = %m.id, idle_s = idle / 1000, "unloading an idle model");
+                    m.unload().await;
+                }
+            }
         }
     }
 

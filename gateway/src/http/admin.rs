@@ -172,7 +172,7 @@ async fn model_action(
         )
     })?;
     let changed = match action.as_str() {
-        "load" => model.load(),
+        "load" => state.registry.load(&model).await?,
         "unload" => {
             if model.pinned() {
                 return Err(ApiError::new(

@@ -62,7 +62,7 @@ pub async fn embeddings(
         ))
         .param("model"));
     }
-    let mut client = model.ready_client()?;
+    let (mut client, _in_flight) = state.registry.acquire(&model).await?;
     let mut grpc = tonic::Request::new(pb::EmbedRequest { inputs, dimensions });
     grpc.set_timeout(state.request_timeout);
     strata_runtime::logging::inject(&mut grpc);

@@ -2,6 +2,7 @@
 //! deadline, and collecting a stream into one answer. Dropping a stream (the client went away)
 //! resets the gRPC stream, which cancels the generation in the worker.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -12,7 +13,7 @@ use tonic::Streaming;
 
 use super::error::{ApiError, ErrorKind, Flavor, from_worker_status};
 use super::metrics::GenerationMeter;
-use crate::workers::ModelEntry;
+use crate::workers::{InFlight, ModelEntry, Registry};
 
 /// Reads a JSON body: 413 past `limit` bytes, 400 when it is not JSON.
 pub async fn read_value(
@@ -101,13 +102,18 @@ pub fn unix_now() -> u64 {
 /// Starts a generation; errors the worker finds before the first token (bad input, context
 /// exceeded, queue full) come back here, so the HTTP status can still say so.
 pub async fn start(
-    model: &ModelEntry,
+    registry: &Registry,
+    model: &Arc<ModelEntry>,
     request: pb::GenerateRequest,
     timeout: Duration,
     flavor: Flavor,
 ) -> Result<GenerationStream, ApiError> {
     let meter = GenerationMeter::new(&model.id);
-    let mut client = model.ready_client().map_err(|e| e.flavor(flavor))?;
+    // Loads the model first when it is not (on first request, or after an LRU unload).
+    let (mut client, in_flight) = registry
+        .acquire(model)
+        .await
+        .map_err(|e| e.flavor(flavor))?;
     let mut req = tonic::Request::new(request);
     req.set_timeout(timeout);
     strata_runtime::logging::inject(&mut req);
@@ -115,6 +121,7 @@ pub async fn start(
         Ok(r) => Ok(GenerationStream {
             inner: r.into_inner(),
             meter,
+            _in_flight: in_flight,
         }),
         Err(s) => {
             meter.failed();
@@ -127,6 +134,8 @@ pub async fn start(
 pub struct GenerationStream {
     inner: Streaming<pb::GenerateEvent>,
     meter: GenerationMeter,
+    /// The model stays loaded while the stream lasts.
+    _in_flight: InFlight,
 }
 
 impl GenerationStream {

@@ -1,0 +1,158 @@
+"""Model management on real worker processes: a memory budget for all workers together, load
+on first request, LRU unload of unpinned models to make room, pinning, the admin load/unload
+endpoints, and the idle TTL. Budgets are set per model in the config, so the accounting is
+exact; the models are SmolLM2 (twice, as two ids: two workers of one file) and MiniLM."""
+import json
+import os
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from test_api import Cluster, pick_port, stop_cluster
+
+
+@pytest.fixture(scope="module")
+def cluster(bin_dir, default_model, minilm_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("models")
+    port = pick_port()
+    config = tmp / "strata.toml"
+    # 2 GiB for everything: the pinned embedding model (512 MiB) plus one SmolLM2 (1 GiB)
+    # and the small TTL model (256 MiB), but never both SmolLM2s.
+    config.write_text(f"""
+bind = "127.0.0.1:{port}"
+run_dir = "{tmp / 'run'}"
+models_memory_budget = "2GiB"
+
+[cache]
+dir = "{tmp / 'kv'}"
+ram = "64MiB"
+disk = "256MiB"
+
+[[models]]
+id = "emb"
+path = "{minilm_model}"
+kind = "embedding"
+pinned = true
+memory_budget = "512MiB"
+
+[[models]]
+id = "a"
+path = "{default_model}"
+memory_budget = "1GiB"
+
+[[models]]
+id = "b"
+path = "{default_model}"
+memory_budget = "1GiB"
+
+[[models]]
+id = "ttl"
+path = "{minilm_model}"
+kind = "embedding"
+memory_budget = "256MiB"
+idle_ttl_secs = 2
+""")
+    log = tmp / "strata.log"
+    proc = subprocess.Popen([bin_dir / "strata", "up", "--config", str(config)],
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    c = Cluster(proc, port, tmp / "run", log)
+    try:
+        c.wait_ready()
+        yield c
+    finally:
+        stop_cluster(c)
+
+
+@pytest.fixture
+def oai(cluster):
+    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="x", max_retries=0)
+
+
+def admin(cluster, path):
+    token = (cluster.run_dir / "admin-token").read_text().strip()
+    req = urllib.request.Request(cluster.url + path, data=b"{}", method="POST",
+                                 headers={"authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.load(r)
+
+
+def states(oai):
+    return {m.id: m.state for m in oai.models.list().data}
+
+
+def pids(cluster):
+    return {c["name"]: c["pid"] for c in cluster.health()[1]["children"]}
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def chat(oai, model):
+    return oai.chat.completions.create(model=model, max_tokens=2, temperature=0,
+                                       messages=[{"role": "user", "content": "Hi"}])
+
+
+def test_only_pinned_models_start_loaded(oai):
+    assert states(oai) == {"emb": "ready", "a": "unloaded", "b": "unloaded", "ttl": "unloaded"}
+
+
+def test_lru_pinning_and_admin_actions_on_real_processes(oai, cluster):
+    # First request loads the model, and waits for it.
+    assert chat(oai, "a").choices[0].message.content is not None
+    assert states(oai)["a"] == "ready"
+    pid_a = pids(cluster)["worker-a"]
+
+    # b does not fit next to a: a (least recently used, unpinned, idle) is unloaded.
+    chat(oai, "b")
+    s = states(oai)
+    assert (s["a"], s["b"], s["emb"]) == ("unloaded", "ready", "ready")
+    assert not alive(pid_a), "a's worker process must be gone"
+
+    # Pinned b cannot make room: a is refused with a 503 that says why.
+    assert admin(cluster, "/admin/api/models/b/pin")["pinned"] is True
+    with pytest.raises(openai.APIStatusError) as e:
+        chat(oai, "a")
+    assert e.value.status_code == 503
+    assert "pinned" in str(e.value) and "memory budget" in str(e.value)
+    assert states(oai)["b"] == "ready"
+
+    # Unpinned, it is the LRU victim again; the admin load acts like a request.
+    admin(cluster, "/admin/api/models/b/unpin")
+    r = admin(cluster, "/admin/api/models/a/load")
+    assert r["changed"] is True and r["loaded"] is True
+    deadline = time.monotonic() + 120
+    while states(oai)["a"] != "ready" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    s = states(oai)
+    assert (s["a"], s["b"]) == ("ready", "unloaded")
+
+    # The pinned model refuses to be unloaded; an unpinned one goes.
+    with pytest.raises(urllib.error.HTTPError) as e:
+        admin(cluster, "/admin/api/models/emb/unload")
+    assert e.value.code == 400
+    assert admin(cluster, "/admin/api/models/a/unload")["changed"] is True
+    assert states(oai)["a"] == "unloaded"
+
+
+def test_an_idle_model_is_unloaded_after_its_ttl(oai, cluster):
+    r = oai.embeddings.create(model="ttl", input="hello", encoding_format="float")
+    assert len(r.data[0].embedding) == 384
+    assert states(oai)["ttl"] == "ready"
+    pid = pids(cluster)["worker-ttl"]
+    deadline = time.monotonic() + 20
+    while states(oai)["ttl"] != "unloaded" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert states(oai)["ttl"] == "unloaded"
+    assert not alive(pid)
+    # And it comes back on the next request.
+    r = oai.embeddings.create(model="ttl", input="hello again", encoding_format="float")
+    assert len(r.data[0].embedding) == 384
