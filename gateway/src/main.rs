@@ -180,7 +180,7 @@ fn main() -> anyhow::Result<()> {
             &format!("/admin/api/workers/{worker}/restart"),
             serde_json::json!({}),
         )),
-        Command::Load { model, client } => runtime.block_on(model_action(&client, &model, "load")),
+        Command::Load { model, client } => runtime.block_on(load_with_progress(&client, &model)),
         Command::Unload { model, client } => {
             runtime.block_on(model_action(&client, &model, "unload"))
         }
@@ -253,6 +253,68 @@ async fn model_action(c: &ClientArgs, model: &str, action: &str) -> anyhow::Resu
         serde_json::json!({}),
     )
     .await
+}
+
+/// `strata load`: asks the gateway to load the model (making room in the models' budget),
+/// then shows its worker's state until it is ready.
+async fn load_with_progress(c: &ClientArgs, model: &str) -> anyhow::Result<()> {
+    let base = c.url.trim_end_matches('/');
+    let token = admin_token(c)?;
+    let http = reqwest::Client::new();
+    let r = http
+        .post(format!("{base}/admin/api/models/{model}/load"))
+        .bearer_auth(&token)
+        .json(&serde_json::json!({}))
+        .send()
+        .await
+        .with_context(|| format!("reach the gateway at {}", c.url))?;
+    let status = r.status();
+    let body: serde_json::Value = r.json().await.context("the gateway's answer is not JSON")?;
+    if !status.is_success() {
+        println!("{}", serde_json::to_string_pretty(&body)?);
+        anyhow::bail!("HTTP {status}");
+    }
+    let id = body["model"].as_str().unwrap_or(model).to_string();
+    let worker = format!("worker-{id}");
+    let bar = indicatif::ProgressBar::new_spinner();
+    bar.enable_steady_tick(Duration::from_millis(120));
+    let started = std::time::Instant::now();
+    loop {
+        let workers: serde_json::Value = http
+            .get(format!("{base}/admin/api/workers"))
+            .bearer_auth(&token)
+            .send()
+            .await
+            .context("poll the gateway")?
+            .json()
+            .await
+            .context("the gateway's answer is not JSON")?;
+        let phase = workers["workers"]
+            .as_array()
+            .and_then(|ws| ws.iter().find(|w| w["name"] == worker.as_str()))
+            .and_then(|w| w["phase"].as_str())
+            .unwrap_or("unknown")
+            .to_string();
+        let secs = started.elapsed().as_secs_f64();
+        match phase.as_str() {
+            "ready" => {
+                // The spinner draws only on a terminal; the result is printed either way.
+                bar.finish_and_clear();
+                println!("{id} is ready ({secs:.1} s)");
+                return Ok(());
+            }
+            "stopped" | "unloaded" => {
+                bar.abandon_with_message(format!("{id}: {phase}"));
+                anyhow::bail!("model {id} did not load ({phase}); see `strata workers`");
+            }
+            _ if secs > 300.0 => {
+                bar.abandon_with_message(format!("{id}: still {phase} after {secs:.0} s"));
+                anyhow::bail!("model {id} is not ready after {secs:.0} s");
+            }
+            _ => bar.set_message(format!("loading {id}: {phase} ({secs:.0} s)")),
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
 }
 
 async fn print_response(r: reqwest::Response) -> anyhow::Result<()> {

@@ -427,21 +427,22 @@ def test_models_load_unload_pin_and_unpin_act_on_the_worker_process(cluster, bin
     assert out.returncode == 0 and json.loads(out.stdout)["loaded"] is False, out
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
-    with pytest.raises(openai.InternalServerError) as e:  # 503, with Retry-After
-        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                    max_tokens=2)
-    assert "not loaded" in e.value.body["message"]
-    assert e.value.response.headers["retry-after"] == "2"
     workers = json.loads(cli("workers").stdout)["workers"]
     assert {w["name"]: w for w in workers}[f"worker-{MODEL}"]["phase"] == "unloaded"
 
+    # `strata load` waits for the worker and says when it is ready.
     out = cli("load", MODEL)
-    assert out.returncode == 0 and json.loads(out.stdout)["loaded"] is True, out
-    cluster.wait_ready()
-    assert cluster.worker()["pid"] != pid
+    assert out.returncode == 0 and f"{MODEL} is ready" in out.stdout, out
+    assert cluster.worker()["phase"] == "ready"
+    loaded_pid = cluster.worker()["pid"]
+    assert loaded_pid != pid
+
+    # Unloaded again, a request loads it by itself and waits for it.
+    assert cli("unload", MODEL).returncode == 0
     r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
                                     max_tokens=8, temperature=0)
     assert r.choices[0].message.content
+    assert cluster.worker()["pid"] not in (pid, loaded_pid)
 
 
 def test_a_request_that_cannot_fit_the_workers_memory_budget_is_refused_and_the_worker_lives(

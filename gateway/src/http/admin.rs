@@ -113,10 +113,17 @@ async fn workers(State(state): State<AppState>) -> Json<Value> {
             }
         }
         v["model"] = json!({"model": m.id, "aliases": m.aliases, "kind": m.kind,
-                            "pinned": m.pinned(), "path": m.path});
+                            "pinned": m.pinned(), "path": m.path,
+                            "memory_bytes": m.memory_bytes, "in_flight": m.in_flight()});
         out.push(v);
     }
-    Json(json!({"workers": out}))
+    Json(json!({
+        "workers": out,
+        "models_memory": {
+            "budget_bytes": state.registry.budget_bytes(),
+            "used_bytes": state.registry.used_bytes(),
+        },
+    }))
 }
 
 async fn dashboard() -> Json<Value> {
