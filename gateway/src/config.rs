@@ -57,6 +57,9 @@ pub struct Config {
     /// first unloads the least recently used unpinned, idle ones [default: no limit].
     #[serde(default)]
     pub models_memory_budget: Option<String>,
+    /// Folders scanned for more models (see `--model-dir`).
+    #[serde(default)]
+    pub model_dirs: Vec<PathBuf>,
 }
 
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -140,6 +143,7 @@ impl Default for Config {
             cache: CacheConfig::default(),
             models: Vec::new(),
             models_memory_budget: None,
+            model_dirs: Vec::new(),
         }
     }
 }
@@ -177,6 +181,7 @@ impl Config {
             m.path = expand_home(&m.path);
         }
         config.cache.dir = config.cache.dir.as_deref().map(expand_home);
+        config.model_dirs = config.model_dirs.iter().map(|d| expand_home(d)).collect();
         config.validate()?;
         Ok(config)
     }

@@ -2,6 +2,7 @@
 //! cache service and the workers and serves the HTTP APIs.
 
 pub mod config;
+pub mod discovery;
 pub mod http;
 pub mod supervisor;
 pub mod workers;

@@ -131,6 +131,11 @@ struct UpArgs {
     /// serve next to the others, under its folder name (repeatable).
     #[arg(long = "embedding-model", env = "STRATA_EMBEDDING_MODEL")]
     embedding_models: Vec<PathBuf>,
+    /// A folder to scan for models (GGUF files, safetensors folders, also `org/name`
+    /// sub-folders): each is offered under its path below the folder, loaded on first request
+    /// (repeatable).
+    #[arg(long = "model-dir", env = "STRATA_MODEL_DIR")]
+    model_dirs: Vec<PathBuf>,
     /// Memory for all workers together, e.g. 12GiB; see `models_memory_budget` in strata.toml.
     #[arg(long, env = "STRATA_MODELS_MEMORY_BUDGET")]
     models_memory_budget: Option<String>,
@@ -423,6 +428,36 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             preload: false,
             idle_ttl_secs: None,
         });
+    }
+    for dir in args.model_dirs.iter().chain(&config.model_dirs.clone()) {
+        let found = strata_gateway::discovery::scan(dir)
+            .with_context(|| format!("scan the model folder {}", dir.display()))?;
+        for f in found {
+            let taken = config
+                .models
+                .iter()
+                .any(|m| m.id == f.id || m.aliases.contains(&f.id) || m.path == f.path);
+            if taken {
+                tracing::info!(id = %f.id, "discovered model already configured");
+                continue;
+            }
+            if f.kind == ModelKind::Vlm {
+                tracing::warn!(id = %f.id, path = %f.path.display(), "discovered a vision-language model; vlm is not served yet, so it is not offered");
+                continue;
+            }
+            tracing::info!(id = %f.id, kind = ?f.kind, path = %f.path.display(), "discovered model");
+            config.models.push(ModelConfig {
+                id: f.id,
+                path: f.path,
+                kind: f.kind,
+                aliases: Vec::new(),
+                pinned: false,
+                memory_budget: None,
+                store_decode_kv: false,
+                preload: false,
+                idle_ttl_secs: None,
+            });
+        }
     }
     config.validate()?;
     let otlp_endpoint = args.otlp_endpoint.clone().or(config.otlp_endpoint.clone());

@@ -12,7 +12,7 @@ import urllib.request
 import openai
 import pytest
 
-from test_api import Cluster, pick_port, stop_cluster
+from test_api import Cluster, pick_port, running_cluster, stop_cluster
 
 
 @pytest.fixture(scope="module")
@@ -156,3 +156,22 @@ def test_an_idle_model_is_unloaded_after_its_ttl(oai, cluster):
     # And it comes back on the next request.
     r = oai.embeddings.create(model="ttl", input="hello again", encoding_format="float")
     assert len(r.data[0].embedding) == 384
+
+
+def test_model_dir_discovery_offers_each_model_under_a_stable_id(bin_dir, default_model,
+                                                                 minilm_model, tmp_path):
+    # A folder laid out as users keep models: a GGUF file, an org/name safetensors folder.
+    models = tmp_path / "models"
+    (models / "sentence-transformers").mkdir(parents=True)
+    (models / "sentence-transformers" / "all-MiniLM-L6-v2").symlink_to(minilm_model)
+    (models / "SmolLM2-135M-Instruct.Q4_1.gguf").symlink_to(default_model)
+    (tmp_path / "c").mkdir()
+    with running_cluster(bin_dir, default_model, tmp_path / "c", "--model-dir", str(models)) as c:
+        client = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0)
+        listed = {m.id: (m.kind, m.state) for m in client.models.list().data}
+        assert listed["sentence-transformers/all-MiniLM-L6-v2"] == ("embedding", "unloaded")
+        assert listed["SmolLM2-135M-Instruct.Q4_1"] == ("llm", "unloaded")
+        # Offered means served: the first request loads it.
+        r = client.embeddings.create(model="sentence-transformers/all-MiniLM-L6-v2",
+                                     input="hello", encoding_format="float")
+        assert len(r.data[0].embedding) == 384

@@ -3,5 +3,6 @@
 
 pub mod logging;
 pub mod memory;
+pub mod model_kind;
 pub mod shutdown;
 pub mod uds;

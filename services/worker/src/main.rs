@@ -8,7 +8,6 @@ use strata_proto::worker::InfoResponse;
 use strata_proto::worker::worker_server::WorkerServer;
 use strata_worker::embedder::Embedder;
 use strata_worker::engine::DtypePolicy;
-use strata_worker::engine::bert::BertConfig;
 use strata_worker::engine::generate::{EngineOptions, GenerateRequest};
 use strata_worker::engine::loader::{self, LoadedModel};
 use strata_worker::engine::sample::SamplingParams;
@@ -518,7 +517,7 @@ fn is_embedding_model(path: &std::path::Path) -> bool {
     std::fs::read(path.join("config.json"))
         .ok()
         .and_then(|bytes| serde_json::from_slice::<serde_json::Value>(&bytes).ok())
-        .is_some_and(|config| BertConfig::is_bert(&config))
+        .is_some_and(|config| strata_runtime::model_kind::is_bert_encoder(&config))
 }
 
 /// Loads an embedding model and starts its engine thread.

@@ -46,21 +46,6 @@ fn default_position_type() -> String {
     "absolute".into()
 }
 
-impl BertConfig {
-    /// Whether a `config.json` describes an encoder this module serves.
-    pub fn is_bert(config: &serde_json::Value) -> bool {
-        let model_type = config.get("model_type").and_then(|t| t.as_str());
-        let arch_is_bert = config
-            .get("architectures")
-            .and_then(|a| a.as_array())
-            .is_some_and(|a| {
-                a.iter()
-                    .any(|x| x.as_str().is_some_and(|s| s.starts_with("Bert")))
-            });
-        model_type == Some("bert") || arch_is_bert
-    }
-}
-
 /// How token vectors become one sentence vector (sentence-transformers' `1_Pooling`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Pooling {
