@@ -298,7 +298,7 @@ impl BertEncoder {
                 .reshape(&[b, l, hidden])?;
             let h = x.add(layer.attn_out.forward(&attn)?)?;
             x = fast::layer_norm(&h, &layer.attn_norm.0, &layer.attn_norm.1, c.layer_norm_eps)?;
-            let inner = mlx_rs::nn::gelu(layer.intermediate.forward(&x)?)?;
+            let inner = gelu(&layer.intermediate.forward(&x)?)?;
             let h = x.add(layer.output.forward(&inner)?)?;
             x = fast::layer_norm(&h, &layer.out_norm.0, &layer.out_norm.1, c.layer_norm_eps)?;
         }
@@ -325,6 +325,16 @@ impl BertEncoder {
         let d = hidden as usize;
         Ok(flat.chunks(d).map(<[f32]>::to_vec).collect())
     }
+}
+
+/// Exact (erf) GELU, as BERT's "gelu". Written out with MLX's own ops rather than
+/// `mlx_rs::nn::gelu`: that one is a compiled function, whose CPU kernel evaluates erf one
+/// element at a time through libm, which made GELU most of a long batch's time.
+fn gelu(x: &Array) -> Result<Array> {
+    let half = x.multiply(Array::from_f32(0.5))?;
+    let cdf = mlx_rs::ops::erf(&x.multiply(Array::from_f32(std::f32::consts::FRAC_1_SQRT_2))?)?
+        .add(Array::from_f32(1.0))?;
+    Ok(half.multiply(&cdf)?)
 }
 
 /// (pooling, normalize, the pooling module's folder) from `modules.json`; without the file,
