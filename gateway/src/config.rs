@@ -113,6 +113,23 @@ pub struct ModelConfig {
     pub idle_ttl_secs: Option<u64>,
 }
 
+impl ModelConfig {
+    /// A model found or named on the command line: unpinned, with every default.
+    pub fn new(id: String, path: PathBuf, kind: ModelKind) -> Self {
+        Self {
+            id,
+            path,
+            kind,
+            aliases: Vec::new(),
+            pinned: false,
+            memory_budget: None,
+            store_decode_kv: false,
+            preload: false,
+            idle_ttl_secs: None,
+        }
+    }
+}
+
 fn default_bind() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 8080))
 }

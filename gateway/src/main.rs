@@ -396,15 +396,8 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
                 .unwrap_or_else(|| "model".into())
         });
         config.models = vec![ModelConfig {
-            id,
-            path,
-            kind: ModelKind::Llm,
-            aliases: Vec::new(),
             pinned: true,
-            memory_budget: None,
-            store_decode_kv: false,
-            preload: false,
-            idle_ttl_secs: None,
+            ..ModelConfig::new(id, path, ModelKind::Llm)
         }];
     }
     for path in &args.embedding_models {
@@ -418,15 +411,8 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "embedding".into());
         config.models.push(ModelConfig {
-            id,
-            path: path.clone(),
-            kind: ModelKind::Embedding,
-            aliases: Vec::new(),
             pinned: true,
-            memory_budget: None,
-            store_decode_kv: false,
-            preload: false,
-            idle_ttl_secs: None,
+            ..ModelConfig::new(id, path.clone(), ModelKind::Embedding)
         });
     }
     for dir in args.model_dirs.iter().chain(&config.model_dirs.clone()) {
@@ -446,17 +432,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
                 continue;
             }
             tracing::info!(id = %f.id, kind = ?f.kind, path = %f.path.display(), "discovered model");
-            config.models.push(ModelConfig {
-                id: f.id,
-                path: f.path,
-                kind: f.kind,
-                aliases: Vec::new(),
-                pinned: false,
-                memory_budget: None,
-                store_decode_kv: false,
-                preload: false,
-                idle_ttl_secs: None,
-            });
+            config.models.push(ModelConfig::new(f.id, f.path, f.kind));
         }
     }
     config.validate()?;
