@@ -192,6 +192,30 @@ impl Model {
     /// sequence's cache, and returns the logits after each sequence's last new token
     /// (`[batch, vocab]`, f32).
     pub fn forward(&self, batch: &mut [SeqChunk<'_>]) -> Result<Array> {
+        self.check(batch)?;
+        let ids: Vec<u32> = batch
+            .iter()
+            .flat_map(|s| s.tokens.iter().copied())
+            .collect();
+        let x = self.embed_tokens(&ids)?;
+        self.layers_and_head(x, batch)
+    }
+
+    /// The input embeddings `[N, D]` of token ids (unchecked: `forward` validates them).
+    pub fn embed_tokens(&self, ids: &[u32]) -> Result<Array> {
+        let ids = Array::from_slice(ids, &[ids.len() as i32]);
+        self.embed.rows(&ids, self.policy.compute)
+    }
+
+    /// `forward` from input embeddings `[N, D]` (one row per token of `batch`, in order), for
+    /// callers that put other rows there, such as a VLM's image features.
+    pub fn forward_embedded(&self, x: Array, batch: &mut [SeqChunk<'_>]) -> Result<Array> {
+        self.check(batch)?;
+        self.layers_and_head(x, batch)
+    }
+
+    /// Every sequence has tokens, fits the context and names only vocabulary ids.
+    fn check(&self, batch: &[SeqChunk<'_>]) -> Result<()> {
         let c = &self.config;
         if batch.is_empty() || batch.iter().any(|s| s.tokens.is_empty()) {
             return Err(EngineError::Config(
@@ -212,13 +236,12 @@ impl Model {
                 )));
             }
         }
-        let ids: Vec<u32> = batch
-            .iter()
-            .flat_map(|s| s.tokens.iter().copied())
-            .collect();
-        let ids = Array::from_slice(&ids, &[ids.len() as i32]);
-        let mut x = self.embed.rows(&ids, self.policy.compute)?; // [N, D]
+        Ok(())
+    }
 
+    fn layers_and_head(&self, x: Array, batch: &mut [SeqChunk<'_>]) -> Result<Array> {
+        let c = &self.config;
+        let mut x = x;
         // Token ranges of each sequence inside the flat batch.
         let mut ranges = Vec::with_capacity(batch.len());
         let mut at = 0i32;

@@ -7,6 +7,7 @@ pub mod generate;
 pub mod gguf;
 pub mod kv;
 pub mod llama;
+pub mod llava;
 pub mod loader;
 pub mod policy;
 pub mod sample;
