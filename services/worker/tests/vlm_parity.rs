@@ -14,6 +14,7 @@ mod common;
 use std::path::PathBuf;
 
 use mlx_rs::Array;
+use strata_worker::engine::image::ClipPreprocess;
 use strata_worker::engine::llava::Llava;
 
 const TOLERANCE: f32 = 1e-5;
@@ -157,4 +158,28 @@ fn a_prompt_whose_image_tokens_do_not_match_the_features_is_refused() {
     assert!(err.to_string().contains("image token positions"), "{err}");
     let wrong = Array::zeros::<f32>(&[1, 3, 32, 32]).expect("zeros");
     assert!(model.vision_features(&wrong).is_err());
+}
+
+/// From the PNG file to greedy tokens: our decoding, resize (Pillow's fixed-point bicubic,
+/// reproduced) and crop against transformers' CLIP processor, whose pixels we match exactly
+/// (1e-6 covers f32 rounding in the normalisation), then the whole model.
+#[test]
+fn png_to_greedy_tokens_matches_the_clip_processor_and_mlx_vlm() {
+    let reference = common::fixture("vlm/reference.json");
+    let dir = fixture_dir().join("tiny-llava");
+    let pre = ClipPreprocess::load(&dir).expect("config");
+    let model = Llava::load(&dir).expect("load");
+    for case in reference["cases"].as_array().expect("cases") {
+        let name = case["image"].as_str().expect("name");
+        let bytes = std::fs::read(fixture_dir().join(name)).expect("image file");
+        let pixels = pre.pixels(&bytes).expect("preprocess");
+        assert_eq!(pixels.shape(), [1, 3, 56, 56]);
+        let d = max_diff(&pixels, &floats(&case["pixel_values"]["data"]));
+        assert!(d < 1e-6, "{name}: pixels differ by {d}");
+        let features = model.image_features(&pixels).expect("features");
+        let (_, tokens) = greedy(&model, &common::ids(&case["input_ids"]), Some(&features), 5);
+        assert_eq!(tokens, common::ids(&case["greedy_tokens"]), "{name}");
+    }
+    let err = pre.pixels(b"not an image").expect_err("garbage");
+    assert!(err.to_string().contains("cannot decode"), "{err}");
 }

@@ -5,6 +5,7 @@ pub mod bert;
 pub mod config;
 pub mod generate;
 pub mod gguf;
+pub mod image;
 pub mod kv;
 pub mod llama;
 pub mod llava;
