@@ -185,14 +185,7 @@ pub async fn messages(
         prefill_breaks: Vec::new(),
         cache_salt: super::cache_salt(tenant.as_deref(), req.cache_salt.as_deref()),
     };
-    let stream = generation::start(
-        &state.registry,
-        &model,
-        worker_req,
-        state.request_timeout,
-        FLAVOR,
-    )
-    .await?;
+    let stream = generation::start(&state, &model, worker_req, FLAVOR).await?;
     let id = response_id("msg_");
     if req.stream {
         return Ok(stream_events(stream, id, req.model));

@@ -11,9 +11,10 @@ use serde::de::DeserializeOwned;
 use strata_proto::worker::{self as pb, generate_event};
 use tonic::Streaming;
 
+use super::AppState;
 use super::error::{ApiError, ErrorKind, Flavor, from_worker_status};
 use super::metrics::GenerationMeter;
-use crate::workers::{InFlight, ModelEntry, Registry};
+use crate::workers::{InFlight, ModelEntry};
 
 /// Reads a JSON body: 413 past `limit` bytes, 400 when it is not JSON.
 pub async fn read_value(
@@ -102,20 +103,20 @@ pub fn unix_now() -> u64 {
 /// Starts a generation; errors the worker finds before the first token (bad input, context
 /// exceeded, queue full) come back here, so the HTTP status can still say so.
 pub async fn start(
-    registry: &Registry,
+    state: &AppState,
     model: &Arc<ModelEntry>,
     request: pb::GenerateRequest,
-    timeout: Duration,
     flavor: Flavor,
 ) -> Result<GenerationStream, ApiError> {
     let meter = GenerationMeter::new(&model.id);
     // Loads the model first when it is not (on first request, or after an LRU unload).
-    let (mut client, in_flight) = registry
+    let (mut client, in_flight) = state
+        .registry
         .acquire(model)
         .await
         .map_err(|e| e.flavor(flavor))?;
     let mut req = tonic::Request::new(request);
-    req.set_timeout(timeout);
+    req.set_timeout(state.request_timeout);
     strata_runtime::logging::inject(&mut req);
     match client.generate(req).await {
         Ok(r) => Ok(GenerationStream {

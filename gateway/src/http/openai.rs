@@ -318,14 +318,7 @@ pub async fn chat_completions(
         _ => None,
     };
     let worker_req = common.to_worker(prompt, logprobs, tenant.as_deref())?;
-    let stream = generation::start(
-        &state.registry,
-        &model,
-        worker_req,
-        state.request_timeout,
-        FLAVOR,
-    )
-    .await?;
+    let stream = generation::start(&state, &model, worker_req, FLAVOR).await?;
     let id = response_id("chatcmpl-");
     let created = unix_now();
     let model_name = common.model.clone();
@@ -429,14 +422,7 @@ pub async fn completions(
         logprobs,
         tenant.as_deref(),
     )?;
-    let stream = generation::start(
-        &state.registry,
-        &model,
-        worker_req,
-        state.request_timeout,
-        FLAVOR,
-    )
-    .await?;
+    let stream = generation::start(&state, &model, worker_req, FLAVOR).await?;
     let id = response_id("cmpl-");
     let created = unix_now();
     let model_name = common.model.clone();

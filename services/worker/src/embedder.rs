@@ -61,9 +61,24 @@ pub struct Embedder {
     /// Token ids must be below this.
     pub vocab_size: usize,
     cls_sep: Option<(u32, u32)>,
+    thread: Arc<std::sync::Mutex<Option<std::thread::JoinHandle<()>>>>,
 }
 
 impl Embedder {
+    /// Stops the engine thread and waits for it, when this is the last handle. A process that
+    /// exits while the thread is still freeing MLX arrays races MLX's own teardown, so tests
+    /// call this before they return; a serving worker exits with the thread idle in `recv`.
+    pub fn shutdown(self) {
+        let Self { tx, thread, .. } = self;
+        drop(tx);
+        if let Ok(handle) = Arc::try_unwrap(thread) {
+            let handle = handle.into_inner().unwrap_or_else(|p| p.into_inner());
+            if let Some(h) = handle {
+                let _ = h.join();
+            }
+        }
+    }
+
     /// Loads the encoder and its tokenizer from `dir` and starts the engine thread.
     pub fn start(dir: &Path, queue: usize) -> Result<Self> {
         let encoder = BertEncoder::load(dir)?;
@@ -84,7 +99,7 @@ impl Embedder {
         let counters = Arc::new(EmbedCounters::default());
         let (tx, rx) = mpsc::sync_channel::<Job>(queue.max(1));
         let c = counters.clone();
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("embed-engine".into())
             .spawn(move || run(encoder, rx, c))
             .map_err(|e| EngineError::Config(format!("cannot start the engine thread: {e}")))?;
@@ -97,6 +112,7 @@ impl Embedder {
             queue_capacity: queue.max(1),
             vocab_size,
             cls_sep,
+            thread: Arc::new(std::sync::Mutex::new(Some(thread))),
         })
     }
 

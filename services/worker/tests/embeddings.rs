@@ -111,6 +111,7 @@ fn minilm_matches_sentence_transformers_alone_and_in_one_padded_batch() {
     let (cos, sentence) = worst(&batch, &want);
     eprintln!("worst cosine, all in one padded batch: {cos:.7} ({sentence:?})");
     assert!(cos >= 0.9999, "in one batch: cosine {cos} for {sentence:?}");
+    embedder.shutdown();
 }
 
 #[test]
@@ -152,6 +153,7 @@ fn the_engine_thread_batches_and_keeps_each_requests_order() {
         .values()
         .sum();
     assert!(passes >= 2, "55 inputs need at least two passes of 32");
+    embedder.shutdown();
 }
 
 #[test]

@@ -197,15 +197,6 @@ impl BertEncoder {
     /// Safetensors loads are lazy and bound to this thread's stream; the engine computes on
     /// another thread, so everything is materialised here.
     fn eval_weights(&self) -> Result<()> {
-        let linear = |l: &Linear| -> Result<()> {
-            if let super::weights::Matrix::Dense(w) = &l.matrix {
-                w.eval()?;
-            }
-            if let Some(b) = &l.bias {
-                b.eval()?;
-            }
-            Ok(())
-        };
         for a in [&self.word, &self.position, &self.token_type] {
             a.eval()?;
         }
@@ -220,7 +211,7 @@ impl BertEncoder {
                 &l.intermediate,
                 &l.output,
             ] {
-                linear(lin)?;
+                lin.eval()?;
             }
             for n in [&l.attn_norm, &l.out_norm] {
                 n.0.eval()?;

@@ -130,33 +130,53 @@ fn pil_bicubic(src: &RgbImage, width: u32, height: u32) -> RgbImage {
     let wide = if width == w {
         src.clone()
     } else {
-        let coeffs = pil_coefficients(w as usize, width as usize);
-        RgbImage::from_fn(width, h, |x, y| {
-            let (start, k) = &coeffs[x as usize];
-            let mut px = [0u8; 3];
-            for (c, out) in px.iter_mut().enumerate() {
-                let taps = k
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &kk)| i64::from(src.get_pixel(*start as u32 + i as u32, y)[c]) * kk);
-                *out = round_fixed(taps.sum());
-            }
-            image::Rgb(px)
-        })
+        pass(
+            src,
+            width,
+            h,
+            &pil_coefficients(w as usize, width as usize),
+            true,
+        )
     };
     if height == h {
         return wide;
     }
-    let coeffs = pil_coefficients(h as usize, height as usize);
+    pass(
+        &wide,
+        width,
+        height,
+        &pil_coefficients(h as usize, height as usize),
+        false,
+    )
+}
+
+/// One separable pass to `width` x `height`: along rows (`horizontal`) or columns, each
+/// output pixel is its coefficients' weighted sum of input pixels, rounded to u8.
+fn pass(
+    src: &RgbImage,
+    width: u32,
+    height: u32,
+    coeffs: &[(usize, Vec<i64>)],
+    horizontal: bool,
+) -> RgbImage {
     RgbImage::from_fn(width, height, |x, y| {
-        let (start, k) = &coeffs[y as usize];
+        let (start, weights) = &coeffs[if horizontal { x } else { y } as usize];
         let mut px = [0u8; 3];
         for (c, out) in px.iter_mut().enumerate() {
-            let taps = k
+            let sum = weights
                 .iter()
                 .enumerate()
-                .map(|(i, &kk)| i64::from(wide.get_pixel(x, *start as u32 + i as u32)[c]) * kk);
-            *out = round_fixed(taps.sum());
+                .map(|(i, &w)| {
+                    let j = (start + i) as u32;
+                    let p = if horizontal {
+                        src.get_pixel(j, y)
+                    } else {
+                        src.get_pixel(x, j)
+                    };
+                    i64::from(p[c]) * w
+                })
+                .sum();
+            *out = round_fixed(sum);
         }
         image::Rgb(px)
     })

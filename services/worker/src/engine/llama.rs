@@ -135,21 +135,18 @@ impl Model {
                 &layer.up,
                 &layer.down,
             ] {
-                eval_matrix(&m.matrix)?;
-                if let Some(b) = &m.bias {
-                    b.eval()?;
-                }
+                m.eval()?;
             }
             layer.attn_norm.eval()?;
             layer.mlp_norm.eval()?;
             layers.push(layer);
         }
         let embed = store.matrix(naming.embed(), policy)?;
-        eval_matrix(&embed)?;
+        embed.eval()?;
         let head_weight = format!("{}.weight", naming.head());
         let head = if store.contains(&head_weight) {
             let head = store.matrix(naming.head(), policy)?;
-            eval_matrix(&head)?;
+            head.eval()?;
             Some(head)
         } else {
             None
@@ -323,16 +320,4 @@ impl Model {
             None,
         )?)
     }
-}
-
-fn eval_matrix(m: &Matrix) -> Result<()> {
-    match m {
-        Matrix::Dense(w) => w.eval()?,
-        Matrix::Quantized(q) => {
-            q.weight.eval()?;
-            q.scales.eval()?;
-            q.biases.eval()?;
-        }
-    }
-    Ok(())
 }

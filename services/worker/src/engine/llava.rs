@@ -219,12 +219,7 @@ impl Llava {
             linears.extend([&l.q, &l.k, &l.v, &l.out, &l.fc1, &l.fc2]);
         }
         for l in linears {
-            if let super::weights::Matrix::Dense(w) = &l.matrix {
-                arrays.push(w);
-            }
-            if let Some(b) = &l.bias {
-                arrays.push(b);
-            }
+            l.eval()?;
         }
         for a in arrays {
             a.eval()?;

@@ -135,6 +135,18 @@ pub enum Matrix {
 }
 
 impl Matrix {
+    pub fn eval(&self) -> Result<()> {
+        match self {
+            Matrix::Dense(w) => w.eval()?,
+            Matrix::Quantized(q) => {
+                q.weight.eval()?;
+                q.scales.eval()?;
+                q.biases.eval()?;
+            }
+        }
+        Ok(())
+    }
+
     /// `x @ W.T`.
     pub fn apply(&self, x: &Array) -> Result<Array> {
         Ok(match self {
@@ -173,6 +185,16 @@ pub struct Linear {
 }
 
 impl Linear {
+    /// Materialises the weights (safetensors loads are lazy, bound to the loading thread's
+    /// stream, and the engine computes on another thread).
+    pub fn eval(&self) -> Result<()> {
+        self.matrix.eval()?;
+        if let Some(b) = &self.bias {
+            b.eval()?;
+        }
+        Ok(())
+    }
+
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let y = self.matrix.apply(x)?;
         Ok(match &self.bias {
