@@ -60,6 +60,14 @@ pub struct Config {
     /// Folders scanned for more models (see `--model-dir`).
     #[serde(default)]
     pub model_dirs: Vec<PathBuf>,
+    /// Folders whose image files requests may name as `file://` URLs (see `--image-dir`);
+    /// empty: local files are refused.
+    #[serde(default)]
+    pub image_dirs: Vec<PathBuf>,
+    /// Fetch `http://` image URLs for vision models; refused by default, since it lets any
+    /// client make this machine send requests.
+    #[serde(default)]
+    pub allow_remote_images: bool,
 }
 
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -161,6 +169,8 @@ impl Default for Config {
             models: Vec::new(),
             models_memory_budget: None,
             model_dirs: Vec::new(),
+            image_dirs: Vec::new(),
+            allow_remote_images: false,
         }
     }
 }

@@ -131,6 +131,18 @@ struct UpArgs {
     /// serve next to the others, under its folder name (repeatable).
     #[arg(long = "embedding-model", env = "STRATA_EMBEDDING_MODEL")]
     embedding_models: Vec<PathBuf>,
+    /// A vision-language model (a LLaVA-1.5 safetensors folder in the llava-hf layout) to
+    /// serve next to the others, under its folder name (repeatable).
+    #[arg(long = "vlm-model", env = "STRATA_VLM_MODEL")]
+    vlm_models: Vec<PathBuf>,
+    /// A folder whose images requests may name as file:// URLs (repeatable); without one,
+    /// file:// images are refused.
+    #[arg(long = "image-dir", env = "STRATA_IMAGE_DIR")]
+    image_dirs: Vec<PathBuf>,
+    /// Fetch http(s):// image URLs named in requests (off: only inline images and files from
+    /// --image-dir are read).
+    #[arg(long, env = "STRATA_ALLOW_REMOTE_IMAGES")]
+    allow_remote_images: bool,
     /// A folder to scan for models (GGUF files, safetensors folders, also `org/name`
     /// sub-folders): each is offered under its path below the folder, loaded on first request
     /// (repeatable).
@@ -400,21 +412,28 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             ..ModelConfig::new(id, path, ModelKind::Llm)
         }];
     }
-    for path in &args.embedding_models {
+    let named = args
+        .embedding_models
+        .iter()
+        .map(|p| (p, ModelKind::Embedding))
+        .chain(args.vlm_models.iter().map(|p| (p, ModelKind::Vlm)));
+    for (path, kind) in named {
         anyhow::ensure!(
             path.is_dir(),
-            "embedding model {} is not a folder (expected config.json and *.safetensors)",
+            "{kind:?} model {} is not a folder (expected config.json and *.safetensors)",
             path.display()
         );
         let id = path
             .file_name()
             .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "embedding".into());
+            .unwrap_or_else(|| format!("{kind:?}").to_lowercase());
         config.models.push(ModelConfig {
             pinned: true,
-            ..ModelConfig::new(id, path.clone(), ModelKind::Embedding)
+            ..ModelConfig::new(id, path.clone(), kind)
         });
     }
+    config.image_dirs.extend(args.image_dirs.iter().cloned());
+    config.allow_remote_images |= args.allow_remote_images;
     for dir in args.model_dirs.iter().chain(&config.model_dirs.clone()) {
         let found = strata_gateway::discovery::scan(dir)
             .with_context(|| format!("scan the model folder {}", dir.display()))?;
@@ -425,10 +444,6 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
                 .any(|m| m.id == f.id || m.aliases.contains(&f.id) || m.path == f.path);
             if taken {
                 tracing::info!(id = %f.id, "discovered model already configured");
-                continue;
-            }
-            if f.kind == ModelKind::Vlm {
-                tracing::warn!(id = %f.id, path = %f.path.display(), "discovered a vision-language model; vlm is not served yet, so it is not offered");
                 continue;
             }
             tracing::info!(id = %f.id, kind = ?f.kind, path = %f.path.display(), "discovered model");
@@ -516,11 +531,6 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
     let worker_program = sibling_binary(&bin_dir, "strata-worker")?;
     let mut models = Vec::new();
     for (i, m) in config.models.iter().enumerate() {
-        anyhow::ensure!(
-            m.kind != ModelKind::Vlm,
-            "model {}: kind vlm is not served yet (llm and embedding are)",
-            m.id
-        );
         let socket = run_dir.join(format!("worker-{i}.sock"));
         let spec = ChildSpec {
             name: format!("worker-{}", m.id),
@@ -599,6 +609,9 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         None => (None, None, None),
     };
     http::metrics::install().context("install the Prometheus recorder")?;
+    let image_policy =
+        http::images::ImagePolicy::new(&config.image_dirs, config.allow_remote_images)
+            .context("an image folder (--image-dir, image_dirs)")?;
     let app = http::router(AppState {
         kvcache: kvcache_state,
         registry: registry.clone(),
@@ -611,6 +624,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         request_timeout: Duration::from_secs(config.request_timeout_secs),
         max_body_bytes: config.max_body_bytes,
         tenant_by_api_key: config.tenant_by_api_key,
+        images: Arc::new(image_policy),
         started_unix: strata_gateway::http::generation::unix_now(),
     });
     let mut http_shutdown = shutdown_rx.clone();

@@ -287,11 +287,15 @@ async fn cache_probe(
     let model = state.registry.resolve(&req.model)?;
     let input = match (req.messages, req.prompt) {
         (Some(messages), None) => {
+            let vision = model.kind == crate::config::ModelKind::Vlm;
+            let (messages, sources) = super::openai::normalize_messages(messages, vision)?;
+            let images =
+                super::images::load(sources, &state.images, super::error::Flavor::OpenAi).await?;
             strata_proto::worker::prompt::Input::Chat(strata_proto::worker::Chat {
-                messages_json: Value::Array(super::openai::normalize_messages(messages)?)
-                    .to_string(),
+                messages_json: Value::Array(messages).to_string(),
                 tools_json: String::new(),
                 add_generation_prompt: true,
+                images,
             })
         }
         (None, Some(text)) => strata_proto::worker::prompt::Input::Text(text),

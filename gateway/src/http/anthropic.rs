@@ -15,7 +15,9 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use super::error::{ApiError, ErrorKind, Flavor, from_worker_status};
 use super::generation::{self, Collected, read_json, response_id};
+use super::images::{self, ImageSource};
 use super::{AppState, TenantKey};
+use crate::config::ModelKind;
 use axum::Extension;
 
 const FLAVOR: Flavor = Flavor::Anthropic;
@@ -84,8 +86,54 @@ fn text_of(content: &Value, what: &str) -> Result<String, ApiError> {
     }
 }
 
-/// Anthropic messages (system apart, user/assistant alternating) as template messages.
-fn chat_prompt(
+/// A content value as template parts (vision models): text blocks, and an image part per image
+/// block, whose source goes to `images`.
+fn content_parts(
+    content: &Value,
+    what: &str,
+    images: &mut Vec<ImageSource>,
+) -> Result<Value, ApiError> {
+    let Value::Array(blocks) = content else {
+        return Ok(json!([{"type": "text", "text": text_of(content, what)?}]));
+    };
+    let mut parts = Vec::with_capacity(blocks.len());
+    for (j, b) in blocks.iter().enumerate() {
+        if b.get("type").and_then(Value::as_str) != Some("image") {
+            let text = text_of(&Value::Array(vec![b.clone()]), what)
+                .map_err(|_| invalid(format!("{what}[{j}]: not a text or image block")))?;
+            if !text.is_empty() {
+                parts.push(json!({"type": "text", "text": text}));
+            }
+            continue;
+        }
+        let source = b
+            .get("source")
+            .ok_or_else(|| invalid(format!("{what}[{j}].source: field required")))?;
+        let field = |name: &str| {
+            source
+                .get(name)
+                .and_then(Value::as_str)
+                .ok_or_else(|| invalid(format!("{what}[{j}].source.{name}: field required")))
+        };
+        let image = match field("type")? {
+            "base64" => images::decode_base64(field("data")?).map(ImageSource::Inline),
+            "url" => images::parse_url(field("url")?),
+            other => Err(format!(
+                "source type {other:?} is not supported (base64 or url)"
+            )),
+        }
+        .map_err(|e| invalid(format!("{what}[{j}]: {e}")))?;
+        images.push(image);
+        parts.push(json!({"type": "image"}));
+    }
+    Ok(Value::Array(parts))
+}
+
+/// Anthropic messages (system apart, user/assistant alternating) as template messages; for a
+/// vision model (`vision`) with content as parts and the images read.
+async fn chat_prompt(
+    state: &AppState,
+    vision: bool,
     system: Option<&Value>,
     messages: &[Value],
     tools: Option<&Vec<Value>>,
@@ -99,10 +147,16 @@ fn chat_prompt(
         return Err(invalid("messages: at least one message is required"));
     }
     let mut out = Vec::new();
+    let mut sources = Vec::new();
     if let Some(system) = system {
         let text = text_of(system, "system")?;
         if !text.is_empty() {
-            out.push(json!({"role": "system", "content": text}));
+            let content = if vision {
+                json!([{"type": "text", "text": text}])
+            } else {
+                Value::String(text)
+            };
+            out.push(json!({"role": "system", "content": content}));
         }
     }
     for (i, m) in messages.iter().enumerate() {
@@ -118,9 +172,15 @@ fn chat_prompt(
         let content = m
             .get("content")
             .ok_or_else(|| invalid(format!("messages.{i}.content: field required")))?;
-        let text = text_of(content, &format!("messages.{i}.content"))?;
-        out.push(json!({"role": role, "content": text}));
+        let what = format!("messages.{i}.content");
+        let content = if vision {
+            content_parts(content, &what, &mut sources)?
+        } else {
+            Value::String(text_of(content, &what)?)
+        };
+        out.push(json!({"role": role, "content": content}));
     }
+    let images = images::load(sources, &state.images, FLAVOR).await?;
     // A trailing assistant message is a prefill: the answer continues it.
     let prefill = out.last().is_some_and(|m| m["role"] == "assistant");
     Ok(pb::Prompt {
@@ -128,6 +188,7 @@ fn chat_prompt(
             messages_json: Value::Array(out).to_string(),
             tools_json: String::new(),
             add_generation_prompt: !prefill,
+            images,
         })),
     })
 }
@@ -162,7 +223,14 @@ pub async fn messages(
     if req.max_tokens == 0 {
         return Err(invalid("max_tokens: must be at least 1"));
     }
-    let prompt = chat_prompt(req.system.as_ref(), &req.messages, req.tools.as_ref())?;
+    let prompt = chat_prompt(
+        &state,
+        model.kind == ModelKind::Vlm,
+        req.system.as_ref(),
+        &req.messages,
+        req.tools.as_ref(),
+    )
+    .await?;
     let stop = req.stop_sequences.clone().unwrap_or_default();
     let worker_req = pb::GenerateRequest {
         request_id: String::new(),
@@ -311,7 +379,14 @@ pub async fn count_tokens(State(state): State<AppState>, body: Body) -> Result<R
         .registry
         .resolve(&req.model)
         .map_err(|e| e.flavor(FLAVOR))?;
-    let prompt = chat_prompt(req.system.as_ref(), &req.messages, req.tools.as_ref())?;
+    let prompt = chat_prompt(
+        &state,
+        model.kind == ModelKind::Vlm,
+        req.system.as_ref(),
+        &req.messages,
+        req.tools.as_ref(),
+    )
+    .await?;
     let counted = generation::count_tokens(&model, prompt, FLAVOR).await?;
     Ok(Json(json!({"input_tokens": counted.count})).into_response())
 }

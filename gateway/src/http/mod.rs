@@ -6,6 +6,7 @@ pub mod anthropic;
 pub mod embeddings;
 pub mod error;
 pub mod generation;
+pub mod images;
 pub mod metrics;
 pub mod openai;
 
@@ -39,6 +40,8 @@ pub struct AppState {
     pub started_unix: u64,
     /// Each API key gets its own cache namespace.
     pub tenant_by_api_key: bool,
+    /// Where images for vision models may come from.
+    pub images: Arc<images::ImagePolicy>,
 }
 
 pub fn router(state: AppState) -> Router {

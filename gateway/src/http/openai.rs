@@ -14,7 +14,9 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use super::error::{ApiError, Flavor};
 use super::generation::{self, Collected, from_value, read_value, response_id, unix_now};
+use super::images::{self, ImageSource};
 use super::{AppState, TenantKey};
+use crate::config::ModelKind;
 use axum::Extension;
 
 const FLAVOR: Flavor = Flavor::OpenAi;
@@ -68,6 +70,10 @@ pub struct ChatRequest {
     messages: Vec<Value>,
     logprobs: Option<bool>,
     top_logprobs: Option<u32>,
+    /// vLLM's extension: logprobs name tokens as "token_id:N", so that tokens whose text is
+    /// not valid UTF-8 on its own (byte-fallback pieces) can be told apart.
+    #[serde(default)]
+    return_tokens_as_token_ids: bool,
     tools: Option<Vec<Value>>,
     response_format: Option<Value>,
 }
@@ -155,12 +161,18 @@ impl Common {
     }
 }
 
-/// Chat messages as the template expects them: roles checked, content flattened to text.
-pub(crate) fn normalize_messages(messages: Vec<Value>) -> Result<Vec<Value>, ApiError> {
+/// Chat messages as the template expects them: roles checked; content flattened to text, or
+/// for a vision model (`vision`) a list of text and `{"type": "image"}` parts, as the
+/// processors' templates read it, with the images' sources in order.
+pub(crate) fn normalize_messages(
+    messages: Vec<Value>,
+    vision: bool,
+) -> Result<(Vec<Value>, Vec<ImageSource>), ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid("messages must not be empty").param("messages"));
     }
-    messages
+    let mut images = Vec::new();
+    let messages = messages
         .into_iter()
         .enumerate()
         .map(|(i, m)| {
@@ -183,12 +195,64 @@ pub(crate) fn normalize_messages(messages: Vec<Value>) -> Result<Vec<Value>, Api
                         .param(format!("{param}.role")));
                 }
             };
-            let content = content_text(m.remove("content"), &param)?;
+            let content = if vision {
+                content_parts(m.remove("content"), &param, &mut images)?
+            } else {
+                Value::String(content_text(m.remove("content"), &param)?)
+            };
             m.insert("role".into(), Value::String(role));
-            m.insert("content".into(), Value::String(content));
+            m.insert("content".into(), content);
             Ok(Value::Object(m))
         })
-        .collect()
+        .collect::<Result<Vec<_>, ApiError>>()?;
+    Ok((messages, images))
+}
+
+/// A message's content as template parts (vision models): text parts, and an image part per
+/// `image_url`, whose source goes to `images`.
+fn content_parts(
+    content: Option<Value>,
+    param: &str,
+    images: &mut Vec<ImageSource>,
+) -> Result<Value, ApiError> {
+    let parts = match content {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => return Ok(json!([{"type": "text", "text": s}])),
+        Some(Value::Array(parts)) => parts,
+        Some(_) => {
+            return Err(ApiError::invalid(format!(
+                "{param}.content must be a string or an array of content parts"
+            )));
+        }
+    };
+    let mut out = Vec::with_capacity(parts.len());
+    for (j, part) in parts.iter().enumerate() {
+        let at = format!("{param}.content[{j}]");
+        match part.get("type").and_then(Value::as_str) {
+            Some("text") => match part.get("text").and_then(Value::as_str) {
+                Some(t) => out.push(json!({"type": "text", "text": t})),
+                None => return Err(ApiError::invalid(format!("{at}.text must be a string"))),
+            },
+            Some("image_url") => {
+                let url = part
+                    .get("image_url")
+                    .and_then(|u| u.get("url").or(Some(u)))
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| ApiError::invalid(format!("{at}.image_url.url is missing")))?;
+                let source =
+                    images::parse_url(url).map_err(|e| ApiError::invalid(format!("{at}: {e}")))?;
+                images.push(source);
+                out.push(json!({"type": "image"}));
+            }
+            Some(kind @ ("input_audio" | "file")) => {
+                return Err(ApiError::invalid(format!(
+                    "{at} is {kind}: this model reads text and images only"
+                )));
+            }
+            _ => return Err(ApiError::invalid(format!("{at} has an unknown type"))),
+        }
+    }
+    Ok(Value::Array(out))
 }
 
 /// A message's content as text: a string, or the text parts of an array.
@@ -245,12 +309,19 @@ fn usage_json(u: &pb::Usage) -> Value {
     })
 }
 
-fn chat_logprobs(lps: &[pb::TokenLogprob]) -> Value {
-    let entry = |token: &str, logprob: f32| json!({"token": token, "logprob": logprob, "bytes": token.as_bytes()});
+fn chat_logprobs(lps: &[pb::TokenLogprob], as_ids: bool) -> Value {
+    let entry = |id: u32, text: &str, logprob: f32| {
+        let token = if as_ids {
+            format!("token_id:{id}")
+        } else {
+            text.to_string()
+        };
+        json!({"token": token, "logprob": logprob, "bytes": text.as_bytes()})
+    };
     json!({
         "content": lps.iter().map(|l| {
-            let mut e = entry(&l.text, l.logprob);
-            e["top_logprobs"] = l.top.iter().map(|t| entry(&t.text, t.logprob)).collect();
+            let mut e = entry(l.token, &l.text, l.logprob);
+            e["top_logprobs"] = l.top.iter().map(|t| entry(t.token, &t.text, t.logprob)).collect();
             e
         }).collect::<Vec<_>>()
     })
@@ -300,12 +371,14 @@ pub async fn chat_completions(
         )
         .param("response_format"));
     }
-    let messages = normalize_messages(req.messages)?;
+    let (messages, sources) = normalize_messages(req.messages, model.kind == ModelKind::Vlm)?;
+    let images = images::load(sources, &state.images, FLAVOR).await?;
     let prompt = pb::Prompt {
         input: Some(pb::prompt::Input::Chat(pb::Chat {
             messages_json: Value::Array(messages).to_string(),
             tools_json: String::new(),
             add_generation_prompt: true,
+            images,
         })),
     };
     let logprobs = match (req.logprobs, req.top_logprobs) {
@@ -317,6 +390,7 @@ pub async fn chat_completions(
         }
         _ => None,
     };
+    let as_ids = req.return_tokens_as_token_ids;
     let worker_req = common.to_worker(prompt, logprobs, tenant.as_deref())?;
     let stream = generation::start(&state, &model, worker_req, FLAVOR).await?;
     let id = response_id("chatcmpl-");
@@ -333,7 +407,7 @@ pub async fn chat_completions(
                 let lp = if d.logprobs.is_empty() {
                     Value::Null
                 } else {
-                    chat_logprobs(&d.logprobs)
+                    chat_logprobs(&d.logprobs, as_ids)
                 };
                 vec![json!({
                     "id": id, "object": "chat.completion.chunk", "created": created, "model": model_name,
@@ -361,7 +435,7 @@ pub async fn chat_completions(
         done,
     } = generation::collect(stream, FLAVOR).await?;
     let lp = if logprobs.is_some() {
-        chat_logprobs(&lps)
+        chat_logprobs(&lps, as_ids)
     } else {
         Value::Null
     };

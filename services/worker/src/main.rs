@@ -284,6 +284,7 @@ fn main() -> anyhow::Result<()> {
                 stop_token_ids: Vec::new(),
                 ignore_eos: false,
                 prefill_breaks: Vec::new(),
+                images: Vec::new(),
             };
             use std::io::Write;
             let mut stdout = std::io::stdout();
@@ -461,7 +462,12 @@ fn serving(
     let config = loaded.model.config();
     let info = InfoResponse {
         model_id: id.clone(),
-        kind: "llm".into(),
+        kind: if loaded.vision.is_some() {
+            "vlm"
+        } else {
+            "llm"
+        }
+        .into(),
         context_length: config.context_length as u32,
         kv_bytes_per_token: loaded.model.kv_layout().bytes_per_token() as u64,
         fingerprint: loaded.fingerprint.clone(),
@@ -481,6 +487,34 @@ fn serving(
     let context_length = config.context_length;
     let tokenizer = loaded.tokenizer.clone();
     let template = loaded.template.clone();
+    let images = loaded.vision.as_ref().map(|v| v.input.clone());
+    let mut features = vec![
+        (
+            "continuous_batching".into(),
+            format!("on (up to {max_batch} sequences per step)"),
+        ),
+        (
+            "memory_admission".into(),
+            format!("on (budget {} MiB)", budget >> 20),
+        ),
+        (
+            "store_decode_kv".into(),
+            if options.store_decode_kv {
+                "on (generated tokens' blocks are cached; not bit-identical to prefill)".into()
+            } else {
+                "off (generated tokens are cached by the next turn's prefill)".into()
+            },
+        ),
+    ];
+    if let Some(i) = &images {
+        features.push((
+            "images".into(),
+            format!(
+                "on ({} prompt positions per image; cache keys carry the image's hash)",
+                i.image_tokens
+            ),
+        ));
+    }
     Serving {
         model_id: id,
         info,
@@ -491,24 +525,8 @@ fn serving(
         scheduler: Scheduler::start(loaded, options, queue, max_batch),
         context_length,
         prefix_cache: None,
-        features: vec![
-            (
-                "continuous_batching".into(),
-                format!("on (up to {max_batch} sequences per step)"),
-            ),
-            (
-                "memory_admission".into(),
-                format!("on (budget {} MiB)", budget >> 20),
-            ),
-            (
-                "store_decode_kv".into(),
-                if options.store_decode_kv {
-                    "on (generated tokens' blocks are cached; not bit-identical to prefill)".into()
-                } else {
-                    "off (generated tokens are cached by the next turn's prefill)".into()
-                },
-            ),
-        ],
+        images,
+        features,
     }
 }
 

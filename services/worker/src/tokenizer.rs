@@ -270,9 +270,13 @@ impl StreamDecoder {
         let full = tok.decode(&self.ids[self.prefix_offset..], self.skip_special)?;
         self.prefix_offset = self.ids.len();
         self.read_offset = self.ids.len();
-        Ok(full
-            .strip_prefix(prefix.as_str())
-            .filter(|rest| !rest.is_empty())
-            .map(str::to_string))
+        let rest = match full.strip_prefix(prefix.as_str()) {
+            Some(rest) => rest.to_string(),
+            // Byte-fallback pieces that no longer form valid UTF-8 together decode as one
+            // replacement character each, changing text already released: release what is
+            // new, as `push` does.
+            None => full.chars().skip(prefix.chars().count()).collect(),
+        };
+        Ok(Some(rest).filter(|r| !r.is_empty()))
     }
 }

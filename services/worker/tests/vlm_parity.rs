@@ -81,16 +81,16 @@ fn greedy(model: &Llava, ids: &[u32], features: Option<&Array>, n: usize) -> (Ar
 fn tiny_llava_matches_mlx_vlm_from_pixels_to_greedy_tokens() {
     let reference = common::fixture("vlm/reference.json");
     let model = Llava::load(&fixture_dir().join("tiny-llava")).expect("the real layout loads");
-    assert_eq!(model.image_token, 512);
-    assert_eq!(model.image_tokens, 16);
+    assert_eq!(model.vision.image_token, 512);
+    assert_eq!(model.vision.image_tokens, 16);
     let mut last_logits = Vec::new();
     for case in reference["cases"].as_array().expect("cases") {
         let name = case["image"].as_str().expect("name");
         let pixels = array(&case["pixel_values"]);
-        let vision = model.vision_features(&pixels).expect("vision tower");
+        let vision = model.vision.vision_features(&pixels).expect("vision tower");
         let d = max_diff(&vision, &floats(&case["vision_features_selected"]["data"]));
         assert!(d < TOLERANCE, "{name}: vision features differ by {d}");
-        let features = model.image_features(&pixels).expect("projector");
+        let features = model.vision.image_features(&pixels).expect("projector");
         let d = max_diff(
             &features,
             &floats(&case["image_features_projected"]["data"]),
@@ -157,7 +157,7 @@ fn a_prompt_whose_image_tokens_do_not_match_the_features_is_refused() {
         .expect_err("mismatch");
     assert!(err.to_string().contains("image token positions"), "{err}");
     let wrong = Array::zeros::<f32>(&[1, 3, 32, 32]).expect("zeros");
-    assert!(model.vision_features(&wrong).is_err());
+    assert!(model.vision.vision_features(&wrong).is_err());
 }
 
 /// From the PNG file to greedy tokens: our decoding, resize (Pillow's fixed-point bicubic,
@@ -176,10 +176,140 @@ fn png_to_greedy_tokens_matches_the_clip_processor_and_mlx_vlm() {
         assert_eq!(pixels.shape(), [1, 3, 56, 56]);
         let d = max_diff(&pixels, &floats(&case["pixel_values"]["data"]));
         assert!(d < 1e-6, "{name}: pixels differ by {d}");
-        let features = model.image_features(&pixels).expect("features");
+        let features = model.vision.image_features(&pixels).expect("features");
         let (_, tokens) = greedy(&model, &common::ids(&case["input_ids"]), Some(&features), 5);
         assert_eq!(tokens, common::ids(&case["greedy_tokens"]), "{name}");
     }
     let err = pre.pixels(b"not an image").expect_err("garbage");
     assert!(err.to_string().contains("cannot decode"), "{err}");
+}
+
+/// The served path: the loader recognises the llava layout, the folder's chat_template.json
+/// renders the processor's prompt, the worker's expansion gives mlx-vlm's ids, and a
+/// generation through `Sequence` (prefill chunks that cut through the image span) gives
+/// mlx-vlm's greedy tokens. Then the cache rules: a run that imports the first run's blocks
+/// gives the same tokens, and another image changes the cache keys of exactly its span.
+#[test]
+fn served_vlm_generation_matches_mlx_vlm_and_keys_blocks_by_image() {
+    use strata_worker::engine::generate::{EngineOptions, GenerateRequest, Prefix};
+    use strata_worker::engine::multimodal::cache_tokens;
+    use strata_worker::engine::sequence::{CachedKv, FinishedBlock};
+    use strata_worker::engine::{DtypePolicy, loader};
+    use strata_worker::template::ChatMessage;
+
+    let reference = common::fixture("vlm/reference.json");
+    let block = 4;
+    let loaded = loader::open(&fixture_dir().join("tiny-llava"), DtypePolicy::F32, block)
+        .expect("the loader opens the llava layout");
+    let vision = loaded.vision.as_ref().expect("a vision tower");
+    let input = &vision.input;
+    let options = EngineOptions {
+        prefill_chunk_tokens: 8,
+        ..EngineOptions::default()
+    };
+    let mut key_spans = Vec::new();
+    for case in reference["cases"].as_array().expect("cases") {
+        let name = case["image"].as_str().expect("name");
+        let messages = vec![ChatMessage {
+            role: "user".into(),
+            content: serde_json::json!([
+                {"type": "image"},
+                {"type": "text", "text": "What is shown in this image?"},
+            ]),
+            extra: Default::default(),
+        }];
+        let text = loaded
+            .template
+            .render(&messages, true, None)
+            .expect("template");
+        assert_eq!(text, case["prompt"].as_str().expect("prompt"), "{name}");
+        let ids = loaded.tokenizer.encode(&text).expect("encode");
+        let image = input
+            .image(&std::fs::read(fixture_dir().join(name)).expect("png"))
+            .expect("image");
+        let ids = input.expand(&ids, 1).expect("one placeholder");
+        assert_eq!(ids, common::ids(&case["input_ids"]), "{name}: ids");
+        assert!(
+            input.expand(&ids, 2).is_err(),
+            "placeholders must match images"
+        );
+
+        let req = GenerateRequest {
+            images: vec![image.clone()],
+            ..GenerateRequest::greedy(ids.clone(), 5)
+        };
+        let mut blocks: Vec<FinishedBlock> = Vec::new();
+        let mut sink = |b: FinishedBlock| blocks.push(b);
+        let cold = loaded
+            .generate_with_prefix(
+                &req,
+                &options,
+                Prefix {
+                    cached: &[],
+                    on_block: Some(&mut sink),
+                },
+                |_| true,
+            )
+            .expect("cold");
+        assert_eq!(cold.tokens, common::ids(&case["greedy_tokens"]), "{name}");
+
+        // The blocks carry the cache's ids, not the image token.
+        let keys =
+            cache_tokens(&ids, input.image_token, input.image_tokens, &[image]).expect("keys");
+        for b in &blocks {
+            let at = b.index * block;
+            assert_eq!(
+                b.tokens[..],
+                keys[at..at + b.tokens.len()],
+                "{name}: block ids"
+            );
+            assert!(!b.tokens.contains(&input.image_token), "{name}");
+        }
+
+        let cached: Vec<CachedKv<'_>> = blocks
+            .iter()
+            .map(|b| CachedKv {
+                bytes: &b.bytes,
+                tokens: b.tokens.len(),
+            })
+            .collect();
+        let warm = loaded
+            .generate_with_prefix(
+                &req,
+                &options,
+                Prefix {
+                    cached: &cached,
+                    on_block: None,
+                },
+                |_| true,
+            )
+            .expect("warm");
+        assert_eq!(
+            warm.cached_tokens,
+            ids.len() - 1,
+            "{name}: all but the last"
+        );
+        assert_eq!(warm.tokens, cold.tokens, "{name}: a hit changes nothing");
+        key_spans.push(keys);
+    }
+    // Same text, other image: the keys agree before the image and differ across its span,
+    // so the chain of block keys parts there and no block after it is shared.
+    let (a, b) = (&key_spans[0], &key_spans[1]);
+    assert_eq!(a[..3], b[..3]);
+    assert!((3..19).all(|i| a[i] != b[i]));
+
+    // An image for a prompt without a placeholder, and images for a text-only model, are
+    // refused.
+    let req = GenerateRequest {
+        images: vec![
+            input
+                .image(&std::fs::read(fixture_dir().join("image_a.png")).expect("png"))
+                .expect("image"),
+        ],
+        ..GenerateRequest::greedy(vec![1, 5, 6], 2)
+    };
+    let err = loaded
+        .generate(&req, &options, |_| true)
+        .expect_err("no image positions");
+    assert!(err.to_string().contains("image token positions"), "{err}");
 }

@@ -7,6 +7,7 @@ use std::time::Duration;
 use super::kv::KvCache;
 use super::llama::SeqChunk;
 use super::loader::LoadedModel;
+use super::multimodal::PromptImage;
 use super::sample::{Sampled, SamplingParams};
 use super::sequence::{CachedKv, FinishedBlock, Sequence, decode_step};
 use super::{EngineError, Result};
@@ -29,6 +30,8 @@ pub struct GenerateRequest {
     /// block ends a chunk where that block ended; a cold run given the same breaks repeats
     /// its arithmetic exactly (used to verify partial-tail hits).
     pub prefill_breaks: Vec<usize>,
+    /// Images whose features fill the prompt's image positions, in order (VLMs).
+    pub images: Vec<PromptImage>,
 }
 
 impl GenerateRequest {
@@ -41,6 +44,7 @@ impl GenerateRequest {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             prefill_breaks: Vec::new(),
+            images: Vec::new(),
         }
     }
 }

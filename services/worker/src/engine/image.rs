@@ -69,6 +69,12 @@ impl ClipPreprocess {
 
     /// Decodes an encoded image (PNG, JPEG) and preprocesses it.
     pub fn pixels(&self, encoded: &[u8]) -> Result<Array> {
+        let (values, shape) = self.pixel_values(encoded)?;
+        Ok(Array::from_slice(&values, &shape))
+    }
+
+    /// `pixels` as plain values and their shape (for other threads: MLX arrays stay on theirs).
+    pub fn pixel_values(&self, encoded: &[u8]) -> Result<(Vec<f32>, [i32; 4])> {
         let decoded = image::load_from_memory(encoded)
             .map_err(|e| EngineError::InvalidRequest(format!("cannot decode the image: {e}")))?
             .to_rgb8();
@@ -115,7 +121,7 @@ impl ClipPreprocess {
                 }
             }
         }
-        Ok(Array::from_slice(&out, &[1, 3, ch as i32, cw as i32]))
+        Ok((out, [1, 3, ch as i32, cw as i32]))
     }
 }
 

@@ -79,8 +79,14 @@ struct ClipLayer {
     fc2: Linear,
 }
 
+/// A LLaVA model: the text decoder, and everything that turns an image into decoder input.
 pub struct Llava {
     pub text: Model,
+    pub vision: VisionTower,
+}
+
+/// The CLIP vision tower and the projector, with the image token they fill.
+pub struct VisionTower {
     pub vision_config: VisionConfig,
     /// The token id whose positions image features fill.
     pub image_token: u32,
@@ -184,7 +190,7 @@ impl Llava {
         }
         let patch = patch.reshape(&[v.hidden_size as i32, -1])?;
         let side = v.image_size / v.patch_size;
-        let model = Self {
+        let vision = VisionTower {
             image_token: config.image_token_index,
             image_tokens: side * side,
             patch,
@@ -197,13 +203,35 @@ impl Llava {
                 store.linear("multi_modal_projector.linear_1", p)?,
                 store.linear("multi_modal_projector.linear_2", p)?,
             ),
-            text,
             vision_config: v,
         };
-        model.eval_weights()?;
-        Ok(model)
+        vision.eval_weights()?;
+        Ok(Self { text, vision })
     }
 
+    /// Logits `[1, vocab]` at the last position of `ids` (a fresh sequence, or one continuing
+    /// `cache`), with image features placed at the `<image>` positions.
+    pub fn forward(
+        &self,
+        ids: &[u32],
+        features: Option<&Array>,
+        cache: &mut super::KvCache,
+    ) -> Result<Array> {
+        if let Some(&bad) = ids
+            .iter()
+            .find(|&&t| t as usize >= self.text.config().vocab_size)
+        {
+            return Err(EngineError::InvalidRequest(format!(
+                "token id {bad} outside the vocabulary"
+            )));
+        }
+        let x = self.vision.embed_with_images(&self.text, ids, features)?;
+        self.text
+            .forward_embedded(x, &mut [SeqChunk { tokens: ids, cache }])
+    }
+}
+
+impl VisionTower {
     /// Safetensors loads are lazy and bound to this thread's stream: materialise everything.
     fn eval_weights(&self) -> Result<()> {
         let mut arrays = vec![
@@ -312,7 +340,12 @@ impl Llava {
 
     /// The decoder's input embeddings for `ids`, with the rows of `<image>` tokens replaced by
     /// `features` (`[k * image_tokens, hidden]` for k images), in order.
-    pub fn embed_with_images(&self, ids: &[u32], features: Option<&Array>) -> Result<Array> {
+    pub fn embed_with_images(
+        &self,
+        text: &Model,
+        ids: &[u32],
+        features: Option<&Array>,
+    ) -> Result<Array> {
         let slots = ids.iter().filter(|&&t| t == self.image_token).count();
         let rows = features.map_or(0, |f| f.shape()[0] as usize);
         if slots != rows {
@@ -320,7 +353,7 @@ impl Llava {
                 "the prompt has {slots} image token positions but the images give {rows} feature rows"
             )));
         }
-        let x = self.text.embed_tokens(ids)?;
+        let x = text.embed_tokens(ids)?;
         let Some(features) = features else {
             return Ok(x);
         };
@@ -341,26 +374,5 @@ impl Llava {
             .collect();
         let all = concatenate(&[x, features.clone()], 0)?;
         Ok(all.take_axis(Array::from_slice(&index, &[index.len() as i32]), 0)?)
-    }
-
-    /// Logits `[1, vocab]` at the last position of `ids` (a fresh sequence, or one continuing
-    /// `cache`), with image features placed at the `<image>` positions.
-    pub fn forward(
-        &self,
-        ids: &[u32],
-        features: Option<&Array>,
-        cache: &mut super::KvCache,
-    ) -> Result<Array> {
-        if let Some(&bad) = ids
-            .iter()
-            .find(|&&t| t as usize >= self.text.config().vocab_size)
-        {
-            return Err(EngineError::InvalidRequest(format!(
-                "token id {bad} outside the vocabulary"
-            )));
-        }
-        let x = self.embed_with_images(ids, features)?;
-        self.text
-            .forward_embedded(x, &mut [SeqChunk { tokens: ids, cache }])
     }
 }

@@ -11,7 +11,10 @@ use serde::Deserialize;
 
 use super::config::HfConfig;
 use super::gguf;
+use super::image::ClipPreprocess;
 use super::llama::{Model, TensorNaming};
+use super::llava::Llava;
+use super::multimodal::{ImageInput, Vision};
 use super::policy::DtypePolicy;
 use super::weights::TensorStore;
 use super::{EngineError, Result};
@@ -33,6 +36,8 @@ pub struct LoadedModel {
     pub path: PathBuf,
     pub format: ModelFormat,
     pub model: Model,
+    /// Vision-language models: the vision tower, and how images enter prompts.
+    pub vision: Option<Vision>,
     /// Shared with the request handlers, which tokenize while the engine computes.
     pub tokenizer: Arc<Tokenizer>,
     pub template: Arc<ChatTemplate>,
@@ -56,10 +61,17 @@ pub fn open(path: &Path, policy: DtypePolicy, block_tokens: usize) -> Result<Loa
     if !path.exists() {
         return Err(EngineError::ModelNotFound(path.display().to_string()));
     }
-    let (format, model, tokenizer, template_source, files) = if path.is_dir() {
-        let (model, tokenizer, template) = open_folder(path, policy)?;
+    let (format, model, vision, tokenizer, template_source, files) = if path.is_dir() {
+        let (model, vision, tokenizer, template) = open_folder(path, policy)?;
         let files = weight_files(path)?;
-        (ModelFormat::Safetensors, model, tokenizer, template, files)
+        (
+            ModelFormat::Safetensors,
+            model,
+            vision,
+            tokenizer,
+            template,
+            files,
+        )
     } else if path.extension().is_some_and(|e| e == "gguf") {
         let g = gguf::load(path)?;
         let tokenizer = Tokenizer::from_gguf(&g.tokenizer)?;
@@ -67,6 +79,7 @@ pub fn open(path: &Path, policy: DtypePolicy, block_tokens: usize) -> Result<Loa
         (
             ModelFormat::Gguf,
             model,
+            None,
             tokenizer,
             g.chat_template,
             vec![path.to_path_buf()],
@@ -89,11 +102,14 @@ pub fn open(path: &Path, policy: DtypePolicy, block_tokens: usize) -> Result<Loa
             stop_tokens.push(id);
         }
     }
+    // A VLM's weights are held as its loader decides (see `Llava::load`).
+    let policy = model.policy();
     let fingerprint = fingerprint(&files, &model, policy, block_tokens)?;
     Ok(LoadedModel {
         path: path.to_path_buf(),
         format,
         model,
+        vision,
         tokenizer: Arc::new(tokenizer),
         template: Arc::new(template),
         policy,
@@ -185,9 +201,10 @@ pub(crate) fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T> 
         .map_err(|e| EngineError::Load(format!("{}: {e}", path.display())))
 }
 
-fn open_folder(dir: &Path, policy: DtypePolicy) -> Result<(Model, Tokenizer, Option<String>)> {
-    let hf: HfConfig = read_json(&dir.join("config.json"))?;
-    let config = hf.to_model_config()?;
+type OpenedFolder = (Model, Option<Vision>, Tokenizer, Option<String>);
+
+fn open_folder(dir: &Path, policy: DtypePolicy) -> Result<OpenedFolder> {
+    let raw: serde_json::Value = read_json(&dir.join("config.json"))?;
     let tk_config_path = dir.join("tokenizer_config.json");
     let tk_config: TokenizerConfig = if tk_config_path.exists() {
         read_json(&tk_config_path)?
@@ -203,12 +220,29 @@ fn open_folder(dir: &Path, policy: DtypePolicy) -> Result<(Model, Tokenizer, Opt
         }),
         _ => None,
     };
+    // Newer folders (processors' layout) keep the template in a file of its own.
+    let template = match template {
+        Some(t) => Some(t),
+        None => template_file(dir)?,
+    };
     let tokenizer = Tokenizer::from_file(
         &dir.join("tokenizer.json"),
         token_string(&tk_config.bos_token).as_deref(),
         token_string(&tk_config.eos_token).as_deref(),
         tk_config.add_bos_token,
     )?;
+    if raw.get("model_type").and_then(|t| t.as_str()) == Some("llava") {
+        let Llava { text, vision } = Llava::load(dir)?;
+        let input = ImageInput::of(&vision, ClipPreprocess::load(dir)?);
+        let vision = Vision {
+            tower: vision,
+            input,
+        };
+        return Ok((text, Some(vision), tokenizer, template));
+    }
+    let hf: HfConfig = serde_json::from_value(raw)
+        .map_err(|e| EngineError::Load(format!("{}: {e}", dir.join("config.json").display())))?;
+    let config = hf.to_model_config()?;
     let mut tensors: HashMap<String, Array> = HashMap::new();
     for file in safetensors_files(dir)? {
         let loaded = Array::load_safetensors(&file)
@@ -218,5 +252,27 @@ fn open_folder(dir: &Path, policy: DtypePolicy) -> Result<(Model, Tokenizer, Opt
     let group_size = hf.quantization.map(|q| q.group_size).unwrap_or(64);
     let store = TensorStore::new(tensors, group_size);
     let model = Model::load(config, &store, TensorNaming::HuggingFace, policy)?;
-    Ok((model, tokenizer, template))
+    Ok((model, None, tokenizer, template))
+}
+
+/// `chat_template.jinja`, or the `chat_template` field of `chat_template.json`.
+fn template_file(dir: &Path) -> Result<Option<String>> {
+    let jinja = dir.join("chat_template.jinja");
+    if jinja.exists() {
+        return std::fs::read_to_string(&jinja)
+            .map(Some)
+            .map_err(|e| EngineError::Load(format!("{}: {e}", jinja.display())));
+    }
+    let json = dir.join("chat_template.json");
+    if !json.exists() {
+        return Ok(None);
+    }
+    let value: serde_json::Value = read_json(&json)?;
+    match value.get("chat_template") {
+        Some(serde_json::Value::String(t)) => Ok(Some(t.clone())),
+        _ => Err(EngineError::Load(format!(
+            "{}: no chat_template string",
+            json.display()
+        ))),
+    }
 }

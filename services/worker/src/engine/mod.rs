@@ -10,6 +10,7 @@ pub mod kv;
 pub mod llama;
 pub mod llava;
 pub mod loader;
+pub mod multimodal;
 pub mod policy;
 pub mod sample;
 pub mod sequence;

@@ -12,9 +12,13 @@ use super::generate::{
 use super::kv::KvCache;
 use super::llama::SeqChunk;
 use super::loader::LoadedModel;
+use super::multimodal;
 use super::sample::{Sampled, Sampler};
 use super::{EngineError, Result};
 use crate::tokenizer::StreamDecoder;
+use mlx_rs::Array;
+use mlx_rs::ops::concatenate;
+use mlx_rs::ops::indexing::TryIndexOp;
 
 /// A block of KV a sequence finished computing, for the cache: its index in the sequence, its
 /// token ids (fewer than a block for the prompt's partial tail) and its bytes.
@@ -37,6 +41,11 @@ pub struct CachedKv<'a> {
 
 pub struct Sequence {
     req: GenerateRequest,
+    /// The ids the KV cache knows the prompt by (image positions carry the image's hash).
+    cache_tokens: Vec<u32>,
+    /// The images' features in the decoder's space, computed when a chunk first needs them
+    /// (never, when the cache held every image position).
+    image_features: Option<Array>,
     chunk: usize,
     block: usize,
     pub cache: KvCache,
@@ -76,6 +85,20 @@ impl Sequence {
         cached: &[CachedKv<'_>],
     ) -> Result<Self> {
         model.validate(&req)?;
+        let cache_tokens = match &model.vision {
+            Some(v) => multimodal::cache_tokens(
+                &req.prompt,
+                v.input.image_token,
+                v.input.image_tokens,
+                &req.images,
+            )?,
+            None if req.images.is_empty() => req.prompt.clone(),
+            None => {
+                return Err(EngineError::InvalidRequest(
+                    "this model reads text only; it cannot take images".into(),
+                ));
+            }
+        };
         let block = model.block_tokens;
         let body = req.prompt.len() - 1;
         let mut cache = model.model.new_cache(options.kv_step_tokens);
@@ -120,6 +143,8 @@ impl Sequence {
             prefill_time: None,
             ttft: None,
             finish: None,
+            cache_tokens,
+            image_features: None,
             req,
         })
     }
@@ -168,10 +193,26 @@ impl Sequence {
         } else {
             len
         };
-        let out = model.model.forward(&mut [SeqChunk {
-            tokens: &self.req.prompt[at..end],
-            cache: &mut self.cache,
-        }])?;
+        let out = match self.image_rows(model, at, end)? {
+            None => model.model.forward(&mut [SeqChunk {
+                tokens: &self.req.prompt[at..end],
+                cache: &mut self.cache,
+            }])?,
+            Some(rows) => {
+                let ids = &self.req.prompt[at..end];
+                let tower = model.vision.as_ref().map(|v| &v.tower).ok_or_else(|| {
+                    EngineError::Config("image rows for a model without vision".into())
+                })?;
+                let x = tower.embed_with_images(&model.model, ids, Some(&rows))?;
+                model.model.forward_embedded(
+                    x,
+                    &mut [SeqChunk {
+                        tokens: ids,
+                        cache: &mut self.cache,
+                    }],
+                )?
+            }
+        };
         out.eval()?;
         self.prefilled = end;
         if let Some(sink) = on_block {
@@ -181,7 +222,7 @@ impl Sequence {
                 let i = self.stored_blocks;
                 sink(FinishedBlock {
                     index: i,
-                    tokens: self.req.prompt[i * b..(i + 1) * b].to_vec(),
+                    tokens: self.cache_tokens[i * b..(i + 1) * b].to_vec(),
                     bytes: self.cache.export(i * b, (i + 1) * b)?,
                 });
                 self.stored_blocks += 1;
@@ -191,7 +232,7 @@ impl Sequence {
             if end == body && body > tail_start && self.cached_tokens < body {
                 sink(FinishedBlock {
                     index: body / b,
-                    tokens: self.req.prompt[tail_start..body].to_vec(),
+                    tokens: self.cache_tokens[tail_start..body].to_vec(),
                     bytes: self.cache.export(tail_start, body)?,
                 });
             }
@@ -201,6 +242,37 @@ impl Sequence {
             self.prefill_time = Some(self.started.elapsed());
         }
         Ok(())
+    }
+
+    /// The image feature rows of prompt positions `at..end`, or None when they hold no image
+    /// position. Features of all the prompt's images are computed the first time.
+    fn image_rows(&mut self, model: &LoadedModel, at: usize, end: usize) -> Result<Option<Array>> {
+        let Some(vision) = &model.vision else {
+            return Ok(None);
+        };
+        let image_token = vision.input.image_token;
+        let count = |ids: &[u32]| ids.iter().filter(|&&t| t == image_token).count();
+        let n = count(&self.req.prompt[at..end]);
+        if n == 0 || self.req.images.is_empty() {
+            return Ok(None);
+        }
+        if self.image_features.is_none() {
+            let per_image = self
+                .req
+                .images
+                .iter()
+                .map(|i| vision.tower.image_features(&i.array()))
+                .collect::<Result<Vec<_>>>()?;
+            let all = concatenate(&per_image, 0)?;
+            all.eval()?;
+            self.image_features = Some(all);
+        }
+        let offset = count(&self.req.prompt[..at]) as i32;
+        let features = self
+            .image_features
+            .as_ref()
+            .ok_or_else(|| EngineError::Config("image features missing".into()))?;
+        Ok(Some(features.try_index(offset..offset + n as i32)?))
     }
 
     /// At the end of a generation, in the opt-in mode: hands the whole blocks that hold
@@ -221,8 +293,7 @@ impl Sequence {
             return Ok(());
         }
         let all: Vec<u32> = self
-            .req
-            .prompt
+            .cache_tokens
             .iter()
             .chain(self.tokens.iter())
             .copied()
@@ -284,30 +355,26 @@ impl Sequence {
             .decoder
             .push(&model.tokenizer, token)?
             .unwrap_or_default();
-        let (out, hit_stop) = self.stops.push(&delta);
+        let (mut out, hit_stop) = self.stops.push(&delta);
+        let last = !hit_stop && self.tokens.len() >= self.req.max_tokens;
+        if last {
+            // The last token's event also carries whatever was held back, so every token
+            // is streamed exactly once.
+            let tail = self.decoder.flush(&model.tokenizer)?.unwrap_or_default();
+            out.push_str(&self.stops.finish(tail));
+        }
         self.text.push_str(&out);
         let go_on = emit(&TokenEvent {
             token,
             text: out,
-            sampled: sampled.clone(),
+            sampled,
         });
         if hit_stop {
             self.finish = Some(FinishReason::Stop);
+        } else if last {
+            self.finish = Some(FinishReason::Length);
         } else if !go_on {
             self.finish = Some(FinishReason::Cancelled);
-        } else if self.tokens.len() >= self.req.max_tokens {
-            let tail = self
-                .stops
-                .finish(self.decoder.flush(&model.tokenizer)?.unwrap_or_default());
-            if !tail.is_empty() {
-                self.text.push_str(&tail);
-                emit(&TokenEvent {
-                    token,
-                    text: tail,
-                    sampled,
-                });
-            }
-            self.finish = Some(FinishReason::Length);
         } else {
             self.pending = [token];
             self.has_pending = true;

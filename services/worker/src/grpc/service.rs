@@ -16,6 +16,7 @@ use tracing::Instrument;
 use crate::embedder::Embedder;
 use crate::engine::EngineError;
 use crate::engine::generate::{FinishReason, GenerateRequest};
+use crate::engine::multimodal::{ImageInput, PromptImage, cache_tokens};
 use crate::engine::sample::{Sampled, SamplingParams};
 use crate::prefix_cache::PrefixCache;
 use crate::scheduler::{JobEvent, Scheduler, SubmitError};
@@ -45,6 +46,8 @@ pub struct Serving {
     pub admission: crate::admission::Admission,
     /// Optional features and how they are set, for the stats (never a silent "off").
     pub features: Vec<(String, String)>,
+    /// Vision-language models: how images enter prompts.
+    pub images: Option<ImageInput>,
 }
 
 /// An embedding model as the handlers see it.
@@ -128,17 +131,18 @@ fn parse_messages(json: &str) -> Result<Vec<ChatMessage>, Status> {
 }
 
 impl Serving {
-    /// The prompt's text (for a chat: the rendered template) and its token ids.
-    pub fn tokenize(&self, prompt: Option<pb::Prompt>) -> Result<(String, Vec<u32>), Status> {
+    /// The prompt's text (for a chat: the rendered template), its token ids (each image's
+    /// placeholder expanded to its positions) and its images, decoded and preprocessed.
+    pub fn tokenize(&self, prompt: Option<pb::Prompt>) -> Result<Tokenized, Status> {
         let input = prompt
             .and_then(|p| p.input)
             .ok_or_else(|| Status::invalid_argument("prompt is missing"))?;
         match input {
             prompt::Input::Text(text) => {
                 let ids = self.tokenizer.encode(&text).map_err(internal)?;
-                Ok((text, ids))
+                Ok(Tokenized::text(text, ids))
             }
-            prompt::Input::TokenIds(ids) => Ok((String::new(), ids.ids)),
+            prompt::Input::TokenIds(ids) => Ok(Tokenized::text(String::new(), ids.ids)),
             prompt::Input::Chat(chat) => {
                 let messages = parse_messages(&chat.messages_json)?;
                 let tools = if chat.tools_json.is_empty() {
@@ -155,8 +159,43 @@ impl Serving {
                     // The template rejected the conversation (e.g. a role it does not know).
                     .map_err(|e| Status::invalid_argument(e.to_string()))?;
                 let ids = self.tokenizer.encode(&text).map_err(internal)?;
-                Ok((text, ids))
+                let Some(input) = &self.images else {
+                    if !chat.images.is_empty() {
+                        return Err(Status::invalid_argument(format!(
+                            "model {} reads text only; it cannot take images",
+                            self.model_id
+                        )));
+                    }
+                    return Ok(Tokenized::text(text, ids));
+                };
+                let images = chat
+                    .images
+                    .iter()
+                    .enumerate()
+                    .map(|(i, bytes)| {
+                        input.image(bytes).map_err(|e| {
+                            Status::invalid_argument(format!(
+                                "image {}: {}",
+                                i + 1,
+                                engine_message(e)
+                            ))
+                        })
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                let ids = input
+                    .expand(&ids, images.len())
+                    .map_err(|e| Status::invalid_argument(engine_message(e)))?;
+                Ok(Tokenized { text, ids, images })
             }
+        }
+    }
+
+    /// The ids the KV cache knows a prompt by (image positions carry their image's hash).
+    fn cache_tokens(&self, t: &Tokenized) -> Result<Vec<u32>, Status> {
+        match &self.images {
+            Some(i) => cache_tokens(&t.ids, i.image_token, i.image_tokens, &t.images)
+                .map_err(|e| Status::invalid_argument(engine_message(e))),
+            None => Ok(t.ids.clone()),
         }
     }
 
@@ -179,6 +218,31 @@ impl Serving {
                 })
                 .collect(),
         }
+    }
+}
+
+/// A prompt ready for the engine.
+pub struct Tokenized {
+    pub text: String,
+    pub ids: Vec<u32>,
+    pub images: Vec<PromptImage>,
+}
+
+impl Tokenized {
+    fn text(text: String, ids: Vec<u32>) -> Self {
+        Self {
+            text,
+            ids,
+            images: Vec::new(),
+        }
+    }
+}
+
+/// An engine error's message without the "invalid request: " prefix of its Display.
+fn engine_message(e: EngineError) -> String {
+    match e {
+        EngineError::InvalidRequest(m) => m,
+        other => other.to_string(),
     }
 }
 
@@ -253,13 +317,13 @@ impl Worker for WorkerService {
     ) -> Result<Response<TokenizeResponse>, Status> {
         let serving = self.serving()?.clone();
         let prompt = req.into_inner().prompt;
-        let (text, ids) = tokio::task::spawn_blocking(move || serving.tokenize(prompt))
+        let t = tokio::task::spawn_blocking(move || serving.tokenize(prompt))
             .await
             .map_err(internal)??;
         Ok(Response::new(TokenizeResponse {
-            count: ids.len() as u32,
-            ids,
-            text,
+            count: t.ids.len() as u32,
+            ids: t.ids,
+            text: t.text,
         }))
     }
 
@@ -292,12 +356,14 @@ impl Worker for WorkerService {
         let prompt = req.prompt;
         let s2 = serving.clone();
         let tokenize_span = tracing::info_span!(parent: &span, "tokenize");
-        let (_, ids) = tokio::task::spawn_blocking(move || {
+        let tokenized = tokio::task::spawn_blocking(move || {
             let _entered = tokenize_span.enter();
             s2.tokenize(prompt)
         })
         .await
         .map_err(internal)??;
+        let key_tokens = serving.cache_tokens(&tokenized)?;
+        let Tokenized { ids, images, .. } = tokenized;
         let prompt_tokens = ids.len();
         span.record("prompt_tokens", prompt_tokens);
         // 0 asks for as many tokens as the context leaves room for.
@@ -313,6 +379,7 @@ impl Worker for WorkerService {
             stop_token_ids: req.stop_token_ids,
             ignore_eos: req.ignore_eos,
             prefill_breaks: req.prefill_breaks.iter().map(|&b| b as usize).collect(),
+            images,
         };
         // Refuse what the engine would refuse, and what would not fit in memory, before
         // queueing it.
@@ -334,7 +401,7 @@ impl Worker for WorkerService {
         let prepared = match &serving.prefix_cache {
             Some(pc) => Some(
                 pc.for_tenant(&salt)
-                    .prepare(&request.prompt)
+                    .prepare(&key_tokens)
                     .instrument(span.clone())
                     .await,
             ),
@@ -514,9 +581,10 @@ impl Worker for WorkerService {
         let req = req.into_inner();
         let (prompt, salt) = (req.prompt, req.cache_salt);
         let s2 = serving.clone();
-        let (_, ids) = tokio::task::spawn_blocking(move || s2.tokenize(prompt))
+        let tokenized = tokio::task::spawn_blocking(move || s2.tokenize(prompt))
             .await
             .map_err(internal)??;
+        let ids = serving.cache_tokens(&tokenized)?;
         let (blocks, partial) = match &serving.prefix_cache {
             Some(pc) => pc.for_tenant(&salt).probe(&ids).await,
             None => (
