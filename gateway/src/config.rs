@@ -234,6 +234,23 @@ impl Config {
                     m.path.display()
                 )));
             }
+            // The kind decides how requests are shaped (images, embeddings), so a folder
+            // whose config says otherwise is refused here rather than misserved.
+            let config_json = m.path.join("config.json");
+            if let Some(found) = std::fs::read(&config_json)
+                .ok()
+                .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+                .map(|c| crate::discovery::kind_of(&c))
+                && found != m.kind
+            {
+                return Err(ConfigError::Invalid(format!(
+                    "model {}: configured as kind {:?}, but {} describes a {:?} model",
+                    m.id,
+                    m.kind,
+                    config_json.display(),
+                    found
+                )));
+            }
         }
         Ok(())
     }
@@ -287,5 +304,30 @@ mod tests {
         .unwrap();
         let e = Config::load(&path).unwrap_err().to_string();
         assert!(e.contains("used twice"), "{e}");
+    }
+
+    #[test]
+    fn a_kind_that_contradicts_the_folder_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("config.json"),
+            r#"{"model_type": "llava", "vision_config": {}}"#,
+        )
+        .unwrap();
+        let mut config = Config {
+            models: vec![ModelConfig::new(
+                "v".into(),
+                dir.path().to_path_buf(),
+                ModelKind::Llm,
+            )],
+            ..Config::default()
+        };
+        let err = config.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("configured as kind Llm") && err.contains("Vlm"),
+            "{err}"
+        );
+        config.models[0].kind = ModelKind::Vlm;
+        config.validate().unwrap();
     }
 }

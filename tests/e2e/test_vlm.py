@@ -11,9 +11,12 @@ tokens are byte-fallback pieces whose streamed text cannot equal a whole-sequenc
 Then the cache rule: an image's content hash is part of the block keys of its positions, so
 another image never reuses them, while text blocks before the image are still shared."""
 import base64
+import functools
+import http.server
 import json
 import math
 import pathlib
+import threading
 
 import anthropic
 import openai
@@ -39,8 +42,18 @@ def cluster(bin_dir, default_model, minilm_model, tmp_path_factory):
     with running_cluster(bin_dir, default_model, tmp_path_factory.mktemp("vlm"),
                          "--embedding-model", str(minilm_model),
                          "--vlm-model", str(FIXTURES / VLM),
-                         "--image-dir", str(FIXTURES)) as c:
+                         "--image-dir", str(FIXTURES), "--allow-remote-images") as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def image_server():
+    """A local HTTP server for the fixture images (remote URLs, enabled for this cluster)."""
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(FIXTURES))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
 
 
 @pytest.fixture
@@ -114,6 +127,14 @@ def test_openai_image_parts_give_mlx_vlms_tokens(oai, reference):
     assert text == image_chat(oai, data_url("image_a.png")).choices[0].message.content
 
 
+def test_remote_images_are_fetched_when_enabled(oai, image_server, reference):
+    r = image_chat(oai, f"{image_server}/image_b.png", salt="remote")
+    assert ids_of(r) == reference["image_b.png"]["greedy_tokens"]
+    with pytest.raises(openai.BadRequestError) as e:
+        image_chat(oai, f"{image_server}/missing.png")
+    assert "HTTP 404" in e.value.body["message"]
+
+
 def test_anthropic_image_blocks_give_the_same_answer(claude, oai, reference):
     data = base64.b64encode((FIXTURES / "image_b.png").read_bytes()).decode()
     r = claude.messages.create(model=VLM, max_tokens=5, extra_body={"temperature": 0}, messages=[{
@@ -169,8 +190,6 @@ def test_image_errors_are_clear_in_each_apis_shape(oai, claude, cluster):
                                              {"type": "text", "text": "hi"}]}]
 
     assert "reads text only" in bad(model=MODEL, messages=image_msg(data_url("image_a.png")))
-    assert "remote image URLs are refused" in bad(
-        model=VLM, messages=image_msg("http://127.0.0.1:9/a.png"))
     assert "outside the configured image folders" in bad(
         model=VLM, messages=image_msg(f"file://{ROOT / 'README.md'}"))
     assert "cannot decode the image" in bad(
