@@ -82,6 +82,10 @@ pub struct CacheConfig {
     /// Socket of a cache service run by launchd/systemd; when it answers, `strata up` uses it
     /// instead of starting its own [default: RUN_DIR/kvcache.sock].
     pub socket: Option<PathBuf>,
+    /// The cache service is run by launchd or systemd: never start one, even when it does not
+    /// answer yet (at boot, or while its manager restarts it); workers compute meanwhile.
+    #[serde(default)]
+    pub external: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]

@@ -124,6 +124,10 @@ struct UpArgs {
     /// Disk tier size limit of the cache service [default: 20GiB].
     #[arg(long, env = "STRATA_KV_DISK")]
     kv_disk: Option<String>,
+    /// The cache service at the configured socket is run by launchd or systemd: never start
+    /// one (see `cache.external` in strata.toml).
+    #[arg(long, env = "STRATA_EXTERNAL_KVCACHE")]
+    external_kvcache: bool,
     /// An API key /v1 accepts (repeatable); /v1 is open when none is configured.
     #[arg(long = "api-key", env = "STRATA_API_KEY")]
     api_keys: Vec<String>,
@@ -516,10 +520,16 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         envs: child_envs.clone(),
     };
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
-    // launchd or systemd may run the cache service: use it when it answers.
+    // launchd or systemd may run the cache service: use it when it answers, and always when
+    // it is declared external.
+    let external = args.external_kvcache || config.cache.external;
     let kvcache = match supervisor::probe(&kvcache_spec).await {
         Ok(detail) => {
             tracing::info!(socket = %kvcache_socket.display(), %detail, "using the cache service already running");
+            None
+        }
+        Err(e) if external => {
+            tracing::warn!(socket = %kvcache_socket.display(), error = %e.message(), "the external cache service does not answer yet; serving without the shared cache until it does");
             None
         }
         Err(_) => Some(supervisor::supervise(
