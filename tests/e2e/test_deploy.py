@@ -64,6 +64,10 @@ def test_launchd_plists_are_valid_and_complete(bin_dir, tmp_path):
     assert kv["KeepAlive"] == {"PathState": {str(d["kv"]): True}}
     assert kv["ExitTimeOut"] >= 10 and kv["Umask"] == 0o077
 
+    jaeger = plistlib.loads((d["out"] / "dev.strata.jaeger.plist").read_bytes())
+    assert jaeger["ProgramArguments"] == [str(tmp_path / "jaeger")]
+    assert jaeger["KeepAlive"] is True
+
     gw = plistlib.loads((d["out"] / "dev.strata.gateway.plist").read_bytes())
     config = pathlib.Path(gw["ProgramArguments"][gw["ProgramArguments"].index("--config") + 1])
     assert gw["KeepAlive"] is True and "--external-kvcache" in gw["ProgramArguments"]

@@ -144,15 +144,3 @@ def test_one_request_is_one_trace_across_gateway_worker_and_cache_service(cluste
         assert worker_side["operationName"] == "cache.store"
         assert tags(worker_side)["bytes"] > 0
         assert parent(worker_side)["spanID"] == generate["spanID"]
-
-
-def test_the_jaeger_launchd_plist_is_valid():
-    import pathlib
-    import plistlib
-    path = pathlib.Path(__file__).parents[2] / "deploy/macos/dev.strata.jaeger.plist"
-    plist = plistlib.loads(path.read_bytes())
-    assert plist["Label"] == "dev.strata.jaeger"
-    assert plist["ProgramArguments"][0].endswith("/jaeger")
-    assert plist["KeepAlive"] is True and plist["RunAtLoad"] is True
-    assert plist["ThrottleInterval"] >= 1
-    assert plist["StandardErrorPath"]
