@@ -377,6 +377,28 @@ fn default_run_dir() -> PathBuf {
     }
 }
 
+/// Creates the run directory (sockets, admin token) and makes it 0700: other users must not
+/// reach the sockets. A directory owned by someone else (e.g. /tmp itself) is refused rather
+/// than changed.
+fn private_dir(dir: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    std::fs::create_dir_all(dir).with_context(|| format!("create run dir {}", dir.display()))?;
+    let meta = std::fs::metadata(dir).with_context(|| format!("stat {}", dir.display()))?;
+    // SAFETY: getuid(2) cannot fail.
+    let me = unsafe { libc::getuid() };
+    anyhow::ensure!(
+        meta.uid() == me,
+        "run dir {} belongs to uid {}, not to this user ({me}); pick a directory of your own (--run-dir)",
+        dir.display(),
+        meta.uid()
+    );
+    if meta.permissions().mode() & 0o777 != 0o700 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .with_context(|| format!("make {} private (0700)", dir.display()))?;
+    }
+    Ok(())
+}
+
 fn sibling_binary(bin_dir: &Path, name: &str) -> anyhow::Result<PathBuf> {
     let path = bin_dir.join(name);
     anyhow::ensure!(
@@ -470,8 +492,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         .clone()
         .or(config.run_dir.clone())
         .unwrap_or_else(default_run_dir);
-    std::fs::create_dir_all(&run_dir)
-        .with_context(|| format!("create run dir {}", run_dir.display()))?;
+    private_dir(&run_dir)?;
     let bin_dir = match args.bin_dir.clone() {
         Some(dir) => dir,
         None => std::env::current_exe()?

@@ -13,6 +13,8 @@ import pytest
 
 from test_api import MODEL, pick_port, running_cluster
 
+SECRET = "sk-trace-secret-7f3a9c"
+
 
 @pytest.fixture(scope="module")
 def jaeger(bin_dir, tmp_path_factory):
@@ -72,7 +74,8 @@ def services_of(trace):
 
 
 def test_one_request_is_one_trace_across_gateway_worker_and_cache_service(cluster, jaeger):
-    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="x", max_retries=0)
+    # A key the trace must never show (this cluster is open, so any key is accepted).
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key=SECRET, max_retries=0)
     system = " ".join(f"Rule {i}: answer in one word." for i in range(70))  # > one block
     messages = [{"role": "system", "content": system},
                 {"role": "user", "content": "Name a fruit."}]
@@ -87,6 +90,7 @@ def test_one_request_is_one_trace_across_gateway_worker_and_cache_service(cluste
         return want <= services_of(trace) and {"worker.generate", "kvcache.lookup"} <= names
 
     trace = find_trace(jaeger[1], complete)
+    assert SECRET not in json.dumps(trace), "the API key leaked into a span"
     spans = {s["spanID"]: s for s in trace["spans"]}
     by_name = {}
     for s in trace["spans"]:
