@@ -289,6 +289,8 @@ mod tests {
         .unwrap();
         let c = Config::load(&path).unwrap();
         assert_eq!(c.bind, default_bind());
+        // The APIs and /admin are reachable from this machine only unless asked otherwise.
+        assert!(c.bind.ip().is_loopback());
         assert_eq!(c.models[0].kind, ModelKind::Llm);
         assert_eq!(c.models[0].aliases, vec!["gpt-4o"]);
 
