@@ -68,6 +68,9 @@ pub struct Config {
     /// client make this machine send requests.
     #[serde(default)]
     pub allow_remote_images: bool,
+    /// Longest wait before restarting a crashed child, in milliseconds [default: 30000].
+    #[serde(default)]
+    pub restart_backoff_max_ms: Option<u64>,
 }
 
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -175,6 +178,7 @@ impl Default for Config {
             model_dirs: Vec::new(),
             image_dirs: Vec::new(),
             allow_remote_images: false,
+            restart_backoff_max_ms: None,
         }
     }
 }

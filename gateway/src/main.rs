@@ -128,6 +128,10 @@ struct UpArgs {
     /// one (see `cache.external` in strata.toml).
     #[arg(long, env = "STRATA_EXTERNAL_KVCACHE")]
     external_kvcache: bool,
+    /// Longest wait before restarting a crashed worker or cache service, in milliseconds;
+    /// waits start at 500 ms and double [default: 30000].
+    #[arg(long, env = "STRATA_RESTART_BACKOFF_MAX_MS")]
+    restart_backoff_max_ms: Option<u64>,
     /// An API key /v1 accepts (repeatable); /v1 is open when none is configured.
     #[arg(long = "api-key", env = "STRATA_API_KEY")]
     api_keys: Vec<String>,
@@ -522,6 +526,13 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         .clone()
         .or(config.cache.disk.clone())
         .unwrap_or_else(|| "20GiB".into());
+    let backoff = Backoff {
+        max: args
+            .restart_backoff_max_ms
+            .or(config.restart_backoff_max_ms)
+            .map_or(Backoff::default().max, Duration::from_millis),
+        ..Backoff::default()
+    };
     let kvcache_spec = ChildSpec {
         name: "kvcache".into(),
         kind: ChildKind::KvCache,
@@ -539,6 +550,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         ],
         socket: kvcache_socket.clone(),
         envs: child_envs.clone(),
+        backoff: backoff.clone(),
     };
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     // launchd or systemd may run the cache service: use it when it answers, and always when
@@ -553,11 +565,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             tracing::warn!(socket = %kvcache_socket.display(), error = %e.message(), "the external cache service does not answer yet; serving without the shared cache until it does");
             None
         }
-        Err(_) => Some(supervisor::supervise(
-            kvcache_spec,
-            Backoff::default(),
-            shutdown_rx.clone(),
-        )),
+        Err(_) => Some(supervisor::supervise(kvcache_spec, shutdown_rx.clone())),
     };
     let worker_program = sibling_binary(&bin_dir, "strata-worker")?;
     let mut models = Vec::new();
@@ -594,6 +602,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             .collect(),
             socket,
             envs: child_envs.clone(),
+            backoff: backoff.clone(),
         };
         let memory = memory_estimate(m, args.worker_memory_budget.as_deref())?;
         models.push(
@@ -658,17 +667,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         images: Arc::new(image_policy),
         started_unix: strata_gateway::http::generation::unix_now(),
     });
-    let mut http_shutdown = shutdown_rx.clone();
-    let server = tokio::spawn(async move {
-        axum::serve(
-            listener,
-            app.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .with_graceful_shutdown(async move {
-            let _ = http_shutdown.changed().await;
-        })
-        .await
-    });
+    let server = tokio::spawn(http::serve::serve(listener, app, shutdown_rx.clone()));
     tokio::spawn(report_progress(progress));
 
     let signal = strata_runtime::shutdown::signal_received().await;
@@ -681,7 +680,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
     }
     // Open streams would hold the HTTP server forever: give them a moment, then go.
     match tokio::time::timeout(Duration::from_secs(5), server).await {
-        Ok(joined) => joined.context("HTTP task")?.context("HTTP server")?,
+        Ok(joined) => joined.context("HTTP task")?,
         Err(_) => tracing::warn!("HTTP connections still open after 5 s; closing them"),
     }
     tracing::info!("stopped");

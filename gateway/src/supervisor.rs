@@ -30,6 +30,8 @@ pub struct ChildSpec {
     pub socket: PathBuf,
     /// Environment variables set for the child (e.g. where to export traces).
     pub envs: Vec<(String, String)>,
+    /// How long to wait before each restart.
+    pub backoff: Backoff,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -110,11 +112,8 @@ const HEALTH_FAILURES_ALLOWED: u32 = 3;
 
 /// Starts supervising `spec` in its own task. The task stops the child and returns when
 /// `shutdown` turns true.
-pub fn supervise(
-    spec: ChildSpec,
-    backoff: Backoff,
-    mut shutdown: watch::Receiver<bool>,
-) -> Supervised {
+pub fn supervise(spec: ChildSpec, mut shutdown: watch::Receiver<bool>) -> Supervised {
+    let backoff = spec.backoff.clone();
     let (control_tx, mut control) = mpsc::channel(4);
     let (state_tx, state_rx) = watch::channel(ChildState {
         name: spec.name.clone(),

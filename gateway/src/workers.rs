@@ -14,7 +14,7 @@ use tonic::transport::Channel;
 
 use crate::config::ModelKind;
 use crate::http::error::{ApiError, ErrorKind};
-use crate::supervisor::{self, Backoff, ChildSpec, ChildState, Control, Phase};
+use crate::supervisor::{self, ChildSpec, ChildState, Control, Phase};
 
 /// Largest gRPC message between gateway and worker (long prompts as token ids).
 pub const MAX_WORKER_MESSAGE_BYTES: usize = 64 << 20;
@@ -139,7 +139,7 @@ impl ModelEntry {
             return false;
         }
         let (stop, stop_rx) = watch::channel(false);
-        let s = supervisor::supervise(self.spec.clone(), Backoff::default(), stop_rx);
+        let s = supervisor::supervise(self.spec.clone(), stop_rx);
         *running = Some(Running {
             state: s.state,
             control: s.control,

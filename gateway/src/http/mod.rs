@@ -9,6 +9,7 @@ pub mod generation;
 pub mod images;
 pub mod metrics;
 pub mod openai;
+pub mod serve;
 
 use std::sync::Arc;
 use std::time::Duration;

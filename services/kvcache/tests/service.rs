@@ -742,6 +742,85 @@ async fn a_full_disk_degrades_to_ram_only_and_recovers_when_space_returns() {
     svc.stop();
 }
 
+/// `dir` bind-mounted onto itself, so that it can be flipped read-only while the service
+/// keeps other files (its index) open for writing elsewhere; unmounted on drop.
+struct BindMount(PathBuf);
+
+impl BindMount {
+    fn new(dir: &Path) -> Self {
+        mount(&["--bind"], dir, dir);
+        Self(dir.to_owned())
+    }
+
+    fn set(&self, mode: &str) {
+        mount(&["-o", &format!("remount,bind,{mode}")], &self.0, &self.0);
+    }
+}
+
+impl Drop for BindMount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+fn mount(args: &[&str], source: &Path, target: &Path) {
+    let status = Command::new("mount")
+        .args(args)
+        .arg(source)
+        .arg(target)
+        .status();
+    assert!(
+        status.is_ok_and(|s| s.success()),
+        "mount {args:?} {}",
+        target.display()
+    );
+}
+
+#[tokio::test]
+async fn a_read_only_cache_directory_degrades_to_ram_only_and_recovers() {
+    let dir = tempfile::tempdir().unwrap();
+    let store_dir = dir.path().join("store");
+    let Some(_disk) = SmallDisk::mount(&store_dir, 16) else {
+        eprintln!("SKIPPED: cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN)");
+        return;
+    };
+    let svc = Service::start(dir.path());
+    let mut c = svc.client();
+    // Blocks written while the disk takes writes.
+    let before = chain_in(NS, 3, 11);
+    assert_eq!(store(&mut c, before.clone()).await, 3);
+    wait_for_writer(&mut c, |s| s.disk.as_ref().unwrap().blocks >= 3).await;
+
+    // The block directory turns read-only under the running service (as a failing disk
+    // does; root ignores file modes, so a mount flag is what makes it real here).
+    let blocks_dir = BindMount::new(&store_dir.join("blocks"));
+    blocks_dir.set("ro");
+    let during = chain_in(NS, 4, 22);
+    assert_eq!(store(&mut c, during.clone()).await, 4, "accepted into RAM");
+    let stats = wait_for_writer(&mut c, |s| !s.disk_degraded.is_empty()).await;
+    assert!(
+        stats.disk_degraded.contains("Read-only file system"),
+        "{:?}",
+        stats.disk_degraded
+    );
+    // Everything is still served intact: the new blocks from RAM, the old ones too.
+    for blocks in [&before, &during] {
+        let got = fetch(&mut c, blocks).await;
+        assert_eq!(got.len(), blocks.len());
+        for (g, b) in got.iter().zip(blocks.iter()) {
+            assert_eq!(g.as_ref().unwrap().payload, b.payload);
+        }
+    }
+
+    // Writable again: new blocks reach the disk and the state clears.
+    blocks_dir.set("rw");
+    let after = chain_in(NS, 2, 33);
+    assert_eq!(store(&mut c, after).await, 2);
+    let stats = wait_for_writer(&mut c, |s| s.disk_degraded.is_empty()).await;
+    assert!(stats.disk.unwrap().blocks >= 5);
+    svc.stop();
+}
+
 fn free_bytes(path: &Path) -> u64 {
     let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
     // SAFETY: statvfs(3) fills the struct we own.

@@ -22,6 +22,18 @@ pub struct Admission {
     hidden: u64,
     intermediate: u64,
     vocab: u64,
+    /// Every request admitted (see `skipped_for_tests`).
+    pub skipped: bool,
+}
+
+/// The variable that lets a test build admit every request.
+pub const SKIP_ENV: &str = "STRATA_TEST_SKIP_ADMISSION";
+
+/// Debug builds only (the binaries the e2e tests run): `STRATA_TEST_SKIP_ADMISSION=1` admits
+/// every request, so that a test can watch a worker run out of memory and the rest live.
+/// Release builds ignore the variable.
+pub fn skipped_for_tests() -> bool {
+    cfg!(debug_assertions) && std::env::var_os(SKIP_ENV).is_some_and(|v| v == "1")
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -88,6 +100,7 @@ impl Admission {
             hidden: config.hidden_size as u64,
             intermediate: config.intermediate_size as u64,
             vocab: config.vocab_size as u64,
+            skipped: skipped_for_tests(),
         }
     }
 
@@ -108,6 +121,12 @@ impl Admission {
     /// Reserves what a request needs for as long as the returned guard lives. `Busy` when it
     /// would fit alone but not next to the requests running now (retry later).
     pub fn reserve(&self, prompt_tokens: usize, max_tokens: usize) -> Result<Reservation, Refusal> {
+        if self.skipped {
+            return Ok(Reservation {
+                reserved: self.reserved.clone(),
+                bytes: 0,
+            });
+        }
         let need = self
             .check(prompt_tokens, max_tokens)
             .map_err(Refusal::TooBig)?;

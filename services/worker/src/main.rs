@@ -453,6 +453,12 @@ fn serving(
         options.kv_step_tokens,
         options.prefill_chunk_tokens,
     );
+    if admission.skipped {
+        tracing::warn!(
+            "memory admission is OFF ({}=1, debug build): requests that do not fit are run anyway",
+            strata_worker::admission::SKIP_ENV
+        );
+    }
     tracing::info!(
         budget_mib = budget >> 20,
         baseline_mib = baseline >> 20,
@@ -495,7 +501,14 @@ fn serving(
         ),
         (
             "memory_admission".into(),
-            format!("on (budget {} MiB)", budget >> 20),
+            if admission.skipped {
+                format!(
+                    "OFF: every request admitted ({}=1 in a debug build, for fault tests)",
+                    strata_worker::admission::SKIP_ENV
+                )
+            } else {
+                format!("on (budget {} MiB)", budget >> 20)
+            },
         ),
         (
             "store_decode_kv".into(),
