@@ -210,6 +210,7 @@ mod tests {
             hidden: 576,
             intermediate: 1536,
             vocab: 49_152,
+            skipped: false,
         }
     }
 
