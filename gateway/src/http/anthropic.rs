@@ -22,7 +22,7 @@ use axum::Extension;
 
 const FLAVOR: Flavor = Flavor::Anthropic;
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct MessagesRequest {
     model: String,
     max_tokens: u32,
@@ -39,7 +39,7 @@ pub struct MessagesRequest {
     cache_salt: Option<String>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct CountTokensRequest {
     model: String,
     messages: Vec<Value>,
@@ -210,6 +210,17 @@ fn usage_json(u: &pb::Usage) -> Value {
     })
 }
 
+#[utoipa::path(post, path = "/v1/messages", tag = "Anthropic",
+    request_body = MessagesRequest,
+    responses(
+        (status = 200, description = "A message; with stream=true, the server-sent event sequence"),
+        (status = 400, description = "Invalid request: the message names the field at fault"),
+        (status = 401, description = "Missing or invalid API key (when keys are configured)"),
+        (status = 404, description = "No such model"),
+        (status = 413, description = "Body larger than the configured limit"),
+        (status = 429, description = "The worker's queue is full"),
+        (status = 503, description = "The model's worker is loading, restarting or out of room"),
+    ))]
 pub async fn messages(
     State(state): State<AppState>,
     tenant: Option<Extension<TenantKey>>,
@@ -373,6 +384,17 @@ fn stream_events(mut stream: generation::GenerationStream, id: String, model: St
         .into_response()
 }
 
+#[utoipa::path(post, path = "/v1/messages/count_tokens", tag = "Anthropic",
+    request_body = CountTokensRequest,
+    responses(
+        (status = 200, description = "The prompt's token count"),
+        (status = 400, description = "Invalid request: the message names the field at fault"),
+        (status = 401, description = "Missing or invalid API key (when keys are configured)"),
+        (status = 404, description = "No such model"),
+        (status = 413, description = "Body larger than the configured limit"),
+        (status = 429, description = "The worker's queue is full"),
+        (status = 503, description = "The model's worker is loading, restarting or out of room"),
+    ))]
 pub async fn count_tokens(State(state): State<AppState>, body: Body) -> Result<Response, ApiError> {
     let req: CountTokensRequest = read_json(body, state.max_body_bytes, FLAVOR).await?;
     let model = state

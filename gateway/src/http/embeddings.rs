@@ -19,14 +19,25 @@ const FLAVOR: Flavor = Flavor::OpenAi;
 /// OpenAI's limit on inputs per request.
 const MAX_INPUTS: usize = 2048;
 
-#[derive(Debug, Deserialize)]
-struct EmbeddingsRequest {
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+pub struct EmbeddingsRequest {
     model: String,
     input: Value,
     encoding_format: Option<String>,
     dimensions: Option<i64>,
 }
 
+#[utoipa::path(post, path = "/v1/embeddings", tag = "OpenAI",
+    request_body = EmbeddingsRequest,
+    responses(
+        (status = 200, description = "One vector per input, as floats or base64"),
+        (status = 400, description = "Invalid request: the message names the field at fault"),
+        (status = 401, description = "Missing or invalid API key (when keys are configured)"),
+        (status = 404, description = "No such model"),
+        (status = 413, description = "Body larger than the configured limit"),
+        (status = 429, description = "The worker's queue is full"),
+        (status = 503, description = "The model's worker is loading, restarting or out of room"),
+    ))]
 pub async fn embeddings(
     State(state): State<AppState>,
     body: Body,

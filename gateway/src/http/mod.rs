@@ -9,6 +9,7 @@ pub mod generation;
 pub mod images;
 pub mod metrics;
 pub mod openai;
+pub mod openapi;
 pub mod serve;
 
 use std::sync::Arc;
@@ -61,6 +62,7 @@ pub fn router(state: AppState) -> Router {
         .merge(v1)
         .merge(admin::router(state.clone()))
         .route("/health", get(health))
+        .route("/openapi.json", get(openapi::document))
         .route("/metrics", get(metrics::scrape))
         // The pages hold no data: their scripts fetch it with the admin token (or API key).
         .route("/admin", get(dashboard_page))
@@ -199,6 +201,9 @@ pub fn children(state: &AppState) -> Vec<ChildState> {
         .collect()
 }
 
+#[utoipa::path(get, path = "/health", tag = "Operations",
+    responses((status = 200, description = "Every process is ready"),
+              (status = 503, description = "Some process is starting or restarting")))]
 async fn health(State(state): State<AppState>) -> impl IntoResponse {
     let children = children(&state);
     let all_ready = children.iter().all(|c| c.phase == Phase::Ready);

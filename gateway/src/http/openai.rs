@@ -20,15 +20,16 @@ use crate::config::ModelKind;
 use axum::Extension;
 
 const FLAVOR: Flavor = Flavor::OpenAi;
+const COMPLETIONS_DEFAULT_MAX_TOKENS: u32 = 16;
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(untagged)]
 pub enum Stop {
     One(String),
     Many(Vec<String>),
 }
 
-#[derive(Debug, Deserialize, Default)]
+#[derive(Debug, Deserialize, Default, utoipa::ToSchema)]
 pub struct StreamOptions {
     #[serde(default)]
     include_usage: bool,
@@ -36,7 +37,7 @@ pub struct StreamOptions {
 
 /// Fields both endpoints share. Unknown fields are accepted and ignored, as OpenAI's own SDKs
 /// add new ones over time.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct Common {
     model: String,
     max_tokens: Option<u32>,
@@ -65,7 +66,7 @@ pub struct Common {
     repetition_penalty: Option<f32>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct ChatRequest {
     messages: Vec<Value>,
     logprobs: Option<bool>,
@@ -78,7 +79,7 @@ pub struct ChatRequest {
     response_format: Option<Value>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(untagged)]
 pub enum PromptInput {
     Text(String),
@@ -86,7 +87,7 @@ pub enum PromptInput {
     Ids(Vec<u32>),
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct CompletionRequest {
     prompt: PromptInput,
     /// Completions API: number of top logprobs (0-5).
@@ -327,6 +328,8 @@ fn chat_logprobs(lps: &[pb::TokenLogprob], as_ids: bool) -> Value {
     })
 }
 
+#[utoipa::path(get, path = "/v1/models", tag = "OpenAI",
+    responses((status = 200, description = "Every configured model, with its kind and state")))]
 pub async fn models(State(state): State<AppState>) -> Json<Value> {
     let created = state.started_unix;
     let data: Vec<Value> = state
@@ -348,6 +351,38 @@ pub async fn models(State(state): State<AppState>) -> Json<Value> {
     Json(json!({"object": "list", "data": data}))
 }
 
+/// The body of `POST /v1/chat/completions`, for the OpenAPI document (the handler reads the
+/// two parts from one JSON value).
+#[derive(Deserialize, utoipa::ToSchema)]
+#[allow(dead_code)]
+pub struct ChatCompletionBody {
+    #[serde(flatten)]
+    common: Common,
+    #[serde(flatten)]
+    chat: ChatRequest,
+}
+
+/// The body of `POST /v1/completions`, for the OpenAPI document.
+#[derive(Deserialize, utoipa::ToSchema)]
+#[allow(dead_code)]
+pub struct CompletionBody {
+    #[serde(flatten)]
+    common: Common,
+    #[serde(flatten)]
+    completion: CompletionRequest,
+}
+
+#[utoipa::path(post, path = "/v1/chat/completions", tag = "OpenAI",
+    request_body = ChatCompletionBody,
+    responses(
+        (status = 200, description = "A chat completion; with stream=true, server-sent chunks ending with [DONE]"),
+        (status = 400, description = "Invalid request: the message names the field at fault"),
+        (status = 401, description = "Missing or invalid API key (when keys are configured)"),
+        (status = 404, description = "No such model"),
+        (status = 413, description = "Body larger than the configured limit"),
+        (status = 429, description = "The worker's queue is full"),
+        (status = 503, description = "The model's worker is loading, restarting or out of room"),
+    ))]
 pub async fn chat_completions(
     State(state): State<AppState>,
     tenant: Option<Extension<TenantKey>>,
@@ -455,6 +490,17 @@ pub async fn chat_completions(
     .into_response())
 }
 
+#[utoipa::path(post, path = "/v1/completions", tag = "OpenAI",
+    request_body = CompletionBody,
+    responses(
+        (status = 200, description = "A text completion; with stream=true, server-sent chunks ending with [DONE]"),
+        (status = 400, description = "Invalid request: the message names the field at fault"),
+        (status = 401, description = "Missing or invalid API key (when keys are configured)"),
+        (status = 404, description = "No such model"),
+        (status = 413, description = "Body larger than the configured limit"),
+        (status = 429, description = "The worker's queue is full"),
+        (status = 503, description = "The model's worker is loading, restarting or out of room"),
+    ))]
 pub async fn completions(
     State(state): State<AppState>,
     tenant: Option<Extension<TenantKey>>,
@@ -491,11 +537,15 @@ pub async fn completions(
         return Err(ApiError::invalid("prompt must not be empty").param("prompt"));
     }
     let logprobs = req.logprobs.map(|n| n.min(5));
-    let worker_req = common.to_worker(
+    let mut worker_req = common.to_worker(
         pb::Prompt { input: Some(input) },
         logprobs,
         tenant.as_deref(),
     )?;
+    // The Completions API's documented default is 16 tokens (Chat's is the whole context).
+    if worker_req.max_tokens == 0 {
+        worker_req.max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS;
+    }
     let stream = generation::start(&state, &model, worker_req, FLAVOR).await?;
     let id = response_id("cmpl-");
     let created = unix_now();
