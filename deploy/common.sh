@@ -40,6 +40,44 @@ common_usage() {
 USAGE
 }
 
+# The install scripts set target_flag (--unit-dir or --agent-dir), target_dir (its default)
+# and target_help before sourcing this file.
+usage() {
+  echo "usage: deploy/$(basename "$0") [options]"
+  common_usage
+  echo "  $target_flag DIR  $target_help"
+}
+
+parse_options() {
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      "$target_flag") target_dir="$2"; shift 2 ;;
+      --no-start) start=0; shift ;;
+      -h|--help) usage; exit 0 ;;
+      *) [ $# -ge 2 ] && common_option "$1" "$2" && shift 2 && continue
+         usage >&2; die "unknown option $1" ;;
+    esac
+  done
+}
+
+# Uninstall: the services' directory, and with --prefix the installed files too.
+remove_prefix=""
+parse_uninstall_options() {
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      "$target_flag") target_dir="$2"; shift 2 ;;
+      --prefix) remove_prefix="$2"; shift 2 ;;
+      *) die "usage: deploy/$(basename "$0") [$target_flag DIR] [--prefix DIR]" ;;
+    esac
+  done
+}
+
+remove_installed_files() {
+  [ -n "$remove_prefix" ] || return 0
+  rm -f "$remove_prefix"/bin/{strata,strata-worker,strata-kvcache,strata-mlx-env}
+  rm -rf "$remove_prefix/lib/strata" "$remove_prefix/share/doc/strata"
+}
+
 # Parses one option; returns 1 when it is not a common one.
 common_option() {
   case "$1" in

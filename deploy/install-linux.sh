@@ -3,27 +3,15 @@
 # gateway that runs the model workers (strata-gateway.service), optionally Jaeger. Re-running
 # it updates binaries and units and keeps an existing strata.toml. See deploy/README.md.
 set -euo pipefail
+target_flag=--unit-dir
+target_dir="${XDG_CONFIG_HOME:-$HOME/.config}/systemd/user"
+target_help="where the units go [default: ~/.config/systemd/user]"
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-
-unit_dir="${XDG_CONFIG_HOME:-$HOME/.config}/systemd/user"
-usage() {
-  echo "usage: deploy/install-linux.sh [options]"
-  common_usage
-  echo "  --unit-dir DIR    where the units go [default: ~/.config/systemd/user]"
-}
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --unit-dir) unit_dir="$2"; shift 2 ;;
-    --no-start) start=0; shift ;;
-    -h|--help) usage; exit 0 ;;
-    *) [ $# -ge 2 ] && common_option "$1" "$2" && shift 2 && continue
-       usage >&2; die "unknown option $1" ;;
-  esac
-done
+parse_options "$@"
 : "${log_dir:=${XDG_STATE_HOME:-$HOME/.local/state}/strata}"
 log_dir="$(absolute "$log_dir")"
 finish_options
-unit_dir="$(absolute "$unit_dir")"
+unit_dir="$(absolute "$target_dir")"
 
 install_files
 mkdir -p "$unit_dir"

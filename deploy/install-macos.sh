@@ -4,27 +4,15 @@
 # optionally Jaeger (dev.strata.jaeger), and loads them with `launchctl bootstrap`.
 # Re-running it updates binaries and plists and keeps an existing strata.toml.
 set -euo pipefail
+target_flag=--agent-dir
+target_dir="$HOME/Library/LaunchAgents"
+target_help="where the plists go [default: ~/Library/LaunchAgents]"
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-
-agent_dir="$HOME/Library/LaunchAgents"
-usage() {
-  echo "usage: deploy/install-macos.sh [options]"
-  common_usage
-  echo "  --agent-dir DIR   where the plists go [default: ~/Library/LaunchAgents]"
-}
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --agent-dir) agent_dir="$2"; shift 2 ;;
-    --no-start) start=0; shift ;;
-    -h|--help) usage; exit 0 ;;
-    *) [ $# -ge 2 ] && common_option "$1" "$2" && shift 2 && continue
-       usage >&2; die "unknown option $1" ;;
-  esac
-done
+parse_options "$@"
 : "${log_dir:=$HOME/Library/Logs/Strata}"
 log_dir="$(absolute "$log_dir")"
 finish_options
-agent_dir="$(absolute "$agent_dir")"
+agent_dir="$(absolute "$target_dir")"
 
 install_files
 mkdir -p "$agent_dir"

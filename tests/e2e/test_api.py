@@ -83,6 +83,23 @@ def running_cluster(bin_dir, model, tmp, *extra):
         stop_cluster(c)
 
 
+@contextlib.contextmanager
+def config_cluster(bin_dir, tmp, port, config_text, env=None):
+    """`strata up --config` with `config_text` as tmp/strata.toml (its bind must use `port` and
+    its run_dir tmp/run), stopped after the block."""
+    config = tmp / "strata.toml"
+    config.write_text(config_text)
+    log = tmp / "strata.log"
+    proc = subprocess.Popen([bin_dir / "strata", "up", "--config", str(config)],
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
+    c = Cluster(proc, port, tmp / "run", log)
+    try:
+        c.wait_ready()
+        yield c
+    finally:
+        stop_cluster(c)
+
+
 def stop_cluster(cluster):
     if cluster.proc.poll() is None:
         cluster.proc.send_signal(signal.SIGTERM)

@@ -75,6 +75,7 @@ def test_launchd_plists_are_valid_and_complete(bin_dir, tmp_path):
     toml = tomllib.loads(config.read_text())
     assert toml["cache"] == {"dir": str(d["kv"]), "ram": "1GiB", "disk": "20GiB",
                              "socket": str(d["run"] / "kvcache.sock"), "external": True}
+    uninstall("uninstall-macos.sh", "--agent-dir", d)
 
 
 def unit(path):
@@ -116,6 +117,18 @@ def test_systemd_units_pass_systemd_analyze_verify(bin_dir, tmp_path):
     bad.write_text((d["out"] / "strata-kvcache.service").read_text()
                    .replace("ExecStart=", "ExecStart=/nonexistent/strata-kvcache "))
     assert subprocess.run([analyze, "verify", bad], capture_output=True).returncode != 0
+    uninstall("uninstall-linux.sh", "--unit-dir", d)
+
+
+def uninstall(script, target_flag, d):
+    """The uninstaller removes the service files and, with --prefix, the installed files,
+    and keeps the cache directory and the config."""
+    subprocess.run(["bash", DEPLOY / script, target_flag, d["out"], "--prefix", d["prefix"]],
+                   check=True, capture_output=True)
+    assert list(d["out"].iterdir()) == []
+    assert not (d["prefix"] / "bin/strata").exists()
+    assert not (d["prefix"] / "lib/strata").exists()
+    assert d["kv"].is_dir() and (d["prefix"] / "etc/strata/strata.toml").is_file()
 
 
 class Service:

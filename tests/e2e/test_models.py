@@ -4,7 +4,6 @@ endpoints, and the idle TTL. Budgets are set per model in the config, so the acc
 exact; the models are SmolLM2 (twice, as two ids: two workers of one file) and MiniLM."""
 import json
 import os
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -12,17 +11,16 @@ import urllib.request
 import openai
 import pytest
 
-from test_api import Cluster, pick_port, running_cluster, stop_cluster
+from test_api import config_cluster, pick_port, running_cluster
 
 
 @pytest.fixture(scope="module")
 def cluster(bin_dir, default_model, minilm_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("models")
     port = pick_port()
-    config = tmp / "strata.toml"
     # 2 GiB for everything: the pinned embedding model (512 MiB) plus one SmolLM2 (1 GiB)
     # and the small TTL model (256 MiB), but never both SmolLM2s.
-    config.write_text(f"""
+    text = f"""
 bind = "127.0.0.1:{port}"
 run_dir = "{tmp / 'run'}"
 models_memory_budget = "2GiB"
@@ -55,16 +53,9 @@ path = "{minilm_model}"
 kind = "embedding"
 memory_budget = "256MiB"
 idle_ttl_secs = 2
-""")
-    log = tmp / "strata.log"
-    proc = subprocess.Popen([bin_dir / "strata", "up", "--config", str(config)],
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
-    c = Cluster(proc, port, tmp / "run", log)
-    try:
-        c.wait_ready()
+"""
+    with config_cluster(bin_dir, tmp, port, text) as c:
         yield c
-    finally:
-        stop_cluster(c)
 
 
 @pytest.fixture

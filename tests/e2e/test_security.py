@@ -5,14 +5,13 @@ configured admin token."""
 import json
 import os
 import stat
-import subprocess
 import urllib.error
 import urllib.request
 
 import openai
 import pytest
 
-from test_api import Cluster, pick_port, stop_cluster
+from test_api import config_cluster, pick_port
 
 KEY_A, KEY_B = "sk-tenant-a-5d1e0c", "sk-tenant-b-93b7aa"
 WRONG_KEY = "sk-wrong-key-41c2"
@@ -23,8 +22,7 @@ ADMIN = "admin-secret-c0ffee-11"
 def cluster(bin_dir, default_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("security")
     port = pick_port()
-    config = tmp / "strata.toml"
-    config.write_text(f"""
+    text = f"""
 bind = "127.0.0.1:{port}"
 run_dir = "{tmp / 'run'}"
 api_keys = ["{KEY_A}", "{KEY_B}"]
@@ -40,18 +38,10 @@ disk = "256MiB"
 id = "m"
 path = "{default_model}"
 pinned = true
-""")
-    log = tmp / "strata.log"
+"""
     # Debug level: the most a user would turn on when chasing a problem.
-    proc = subprocess.Popen([bin_dir / "strata", "up", "--config", str(config)],
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ, RUST_LOG="debug"))
-    c = Cluster(proc, port, tmp / "run", log)
-    try:
-        c.wait_ready()
+    with config_cluster(bin_dir, tmp, port, text, env=dict(os.environ, RUST_LOG="debug")) as c:
         yield c
-    finally:
-        stop_cluster(c)
 
 
 def call(cluster, path, token=None, method="GET"):
