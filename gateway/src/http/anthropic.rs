@@ -214,12 +214,7 @@ fn usage_json(u: &pb::Usage) -> Value {
     request_body = MessagesRequest,
     responses(
         (status = 200, description = "A message; with stream=true, the server-sent event sequence"),
-        (status = 400, description = "Invalid request: the message names the field at fault"),
-        (status = 401, description = "Missing or invalid API key (when keys are configured)"),
-        (status = 404, description = "No such model"),
-        (status = 413, description = "Body larger than the configured limit"),
-        (status = 429, description = "The worker's queue is full"),
-        (status = 503, description = "The model's worker is loading, restarting or out of room"),
+        super::openapi::ErrorResponses,
     ))]
 pub async fn messages(
     State(state): State<AppState>,
@@ -388,12 +383,7 @@ fn stream_events(mut stream: generation::GenerationStream, id: String, model: St
     request_body = CountTokensRequest,
     responses(
         (status = 200, description = "The prompt's token count"),
-        (status = 400, description = "Invalid request: the message names the field at fault"),
-        (status = 401, description = "Missing or invalid API key (when keys are configured)"),
-        (status = 404, description = "No such model"),
-        (status = 413, description = "Body larger than the configured limit"),
-        (status = 429, description = "The worker's queue is full"),
-        (status = 503, description = "The model's worker is loading, restarting or out of room"),
+        super::openapi::ErrorResponses,
     ))]
 pub async fn count_tokens(State(state): State<AppState>, body: Body) -> Result<Response, ApiError> {
     let req: CountTokensRequest = read_json(body, state.max_body_bytes, FLAVOR).await?;

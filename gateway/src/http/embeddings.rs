@@ -31,12 +31,7 @@ pub struct EmbeddingsRequest {
     request_body = EmbeddingsRequest,
     responses(
         (status = 200, description = "One vector per input, as floats or base64"),
-        (status = 400, description = "Invalid request: the message names the field at fault"),
-        (status = 401, description = "Missing or invalid API key (when keys are configured)"),
-        (status = 404, description = "No such model"),
-        (status = 413, description = "Body larger than the configured limit"),
-        (status = 429, description = "The worker's queue is full"),
-        (status = 503, description = "The model's worker is loading, restarting or out of room"),
+        super::openapi::ErrorResponses,
     ))]
 pub async fn embeddings(
     State(state): State<AppState>,

@@ -376,12 +376,7 @@ pub struct CompletionBody {
     request_body = ChatCompletionBody,
     responses(
         (status = 200, description = "A chat completion; with stream=true, server-sent chunks ending with [DONE]"),
-        (status = 400, description = "Invalid request: the message names the field at fault"),
-        (status = 401, description = "Missing or invalid API key (when keys are configured)"),
-        (status = 404, description = "No such model"),
-        (status = 413, description = "Body larger than the configured limit"),
-        (status = 429, description = "The worker's queue is full"),
-        (status = 503, description = "The model's worker is loading, restarting or out of room"),
+        super::openapi::ErrorResponses,
     ))]
 pub async fn chat_completions(
     State(state): State<AppState>,
@@ -494,12 +489,7 @@ pub async fn chat_completions(
     request_body = CompletionBody,
     responses(
         (status = 200, description = "A text completion; with stream=true, server-sent chunks ending with [DONE]"),
-        (status = 400, description = "Invalid request: the message names the field at fault"),
-        (status = 401, description = "Missing or invalid API key (when keys are configured)"),
-        (status = 404, description = "No such model"),
-        (status = 413, description = "Body larger than the configured limit"),
-        (status = 429, description = "The worker's queue is full"),
-        (status = 503, description = "The model's worker is loading, restarting or out of room"),
+        super::openapi::ErrorResponses,
     ))]
 pub async fn completions(
     State(state): State<AppState>,

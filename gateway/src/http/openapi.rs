@@ -27,6 +27,37 @@ use super::AppState;
 )]
 pub struct ApiDoc;
 
+/// The error statuses every generation and embedding route may answer with, in the API's own
+/// error shape.
+#[derive(utoipa::IntoResponses)]
+#[allow(dead_code)]
+pub enum ErrorResponses {
+    #[response(
+        status = 400,
+        description = "Invalid request: the message names the field at fault"
+    )]
+    Invalid,
+    #[response(
+        status = 401,
+        description = "Missing or invalid API key (when keys are configured)"
+    )]
+    Unauthorized,
+    #[response(status = 404, description = "No such model")]
+    UnknownModel,
+    #[response(
+        status = 413,
+        description = "Body over the configured limit, or a request over the worker's memory budget"
+    )]
+    TooLarge,
+    #[response(status = 429, description = "The worker's queue is full")]
+    Busy,
+    #[response(
+        status = 503,
+        description = "The model's worker is loading, restarting or out of room"
+    )]
+    Unavailable,
+}
+
 /// The document, with every `model` field narrowed to the models this server has (ids and
 /// aliases), so that clients and fuzzers see the real choices.
 pub async fn document(State(state): State<AppState>) -> Json<Value> {
