@@ -112,17 +112,22 @@ pub fn verify_header(h: &BlockHeader) -> Result<(), BlockError> {
         && h.layer_kinds
             .iter()
             .all(|&k| k == StateKind::FullAttentionKv as i32);
-    let expected = 2
-        * u64::from(h.num_layers)
-        * u64::from(h.kv_heads)
-        * u64::from(h.head_dim)
-        * h.token_ids.len() as u64
-        * elem;
+    // Checked: the header comes from a file or the network; a size past u64 is a mismatch,
+    // not a panic or a wrapped number that could happen to match.
+    let expected = [
+        u64::from(h.num_layers),
+        u64::from(h.kv_heads),
+        u64::from(h.head_dim),
+        h.token_ids.len() as u64,
+        elem,
+    ]
+    .into_iter()
+    .try_fold(2u64, u64::checked_mul);
     let too_many = h.block_tokens != 0 && h.token_ids.len() > h.block_tokens as usize;
-    if !kinds_ok || expected != h.payload_bytes || h.token_ids.is_empty() || too_many {
+    if !kinds_ok || expected != Some(h.payload_bytes) || h.token_ids.is_empty() || too_many {
         return Err(BlockError::LayoutMismatch {
             declared: h.payload_bytes,
-            expected,
+            expected: expected.unwrap_or(u64::MAX),
         });
     }
     if h.payload_checksum.len() != 32 {
@@ -291,8 +296,17 @@ mod tests {
         let mut b = root.clone();
         b.header.as_mut().unwrap().kv_heads = 2;
         assert!(matches!(verify(&b), Err(BlockError::LayoutMismatch { .. })));
-        let mut b = root;
+        let mut b = root.clone();
         b.header.as_mut().unwrap().format_version = 2;
         assert_eq!(verify(&b), Err(BlockError::Version(2)));
+        // A layout whose size does not fit in u64 is a mismatch, not an overflow.
+        let mut b = root;
+        let h = b.header.as_mut().unwrap();
+        (h.num_layers, h.kv_heads, h.head_dim) = (u32::MAX, u32::MAX, u32::MAX);
+        h.payload_bytes = u64::MAX;
+        assert!(matches!(
+            verify_header(h),
+            Err(BlockError::LayoutMismatch { .. })
+        ));
     }
 }
