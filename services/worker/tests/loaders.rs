@@ -190,3 +190,69 @@ fn bad_model_files_are_clear_errors() {
     let e = err(&broken);
     assert!(matches!(e, EngineError::Tokenizer(_)), "{e}");
 }
+
+/// Every weight file scripts/setup provides passes the structural checks that now run before
+/// MLX's readers, so they refuse nothing real.
+#[test]
+fn every_real_model_file_passes_the_structural_checks() {
+    for gguf in [
+        common::smollm2_gguf(),
+        common::derived_model("qwen2-tiny/qwen2_tiny.gguf"),
+    ] {
+        let s = strata_model_files::check_gguf(&gguf).unwrap();
+        assert!(s.tensors.len() >= 27, "{}: {s:?}", gguf.display());
+    }
+    let vlm = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/vlm/tiny-llava/model.safetensors");
+    for file in [
+        common::derived_model("smollm2-135m-instruct-f32/model.safetensors"),
+        common::derived_model("smollm2-135m-instruct-mlx/model.safetensors"),
+        common::minilm_dir().join("model.safetensors"),
+        vlm,
+    ] {
+        let s = strata_model_files::check_safetensors(&file).unwrap();
+        assert!(!s.tensors.is_empty(), "{}", file.display());
+    }
+}
+
+/// A fuzz probe of MLX's own GGUF reader (mx.load on mutated copies of the qwen2-tiny fixture)
+/// crashed it with SIGSEGV when a tensor's dimension count was corrupted to 0 or to 2^24. The
+/// worker now refuses such a file with a load error and keeps running.
+#[test]
+fn gguf_damage_that_crashes_mlx_is_a_load_error() {
+    let bytes = std::fs::read(common::derived_model("qwen2-tiny/qwen2_tiny.gguf")).unwrap();
+    let name = b"blk.1.attn_q.weight";
+    let n_dims_at = bytes.windows(name.len()).position(|w| w == name).unwrap() + name.len();
+    let dir = tempfile::tempdir().unwrap();
+    for n_dims in [0u32, 1 << 24] {
+        let mut broken = bytes.clone();
+        broken[n_dims_at..n_dims_at + 4].copy_from_slice(&n_dims.to_le_bytes());
+        let path = dir.path().join(format!("dims-{n_dims}.gguf"));
+        std::fs::write(&path, &broken).unwrap();
+        match loader::open(&path, DtypePolicy::F32, 16) {
+            Ok(_) => panic!("n_dims {n_dims} loaded"),
+            Err(EngineError::Load(why)) => assert!(
+                why.contains("tensor 'blk.1.attn_q.weight' has") && why.contains("dimensions"),
+                "{why}"
+            ),
+            Err(e) => panic!("n_dims {n_dims}: {e}"),
+        }
+    }
+    // A safetensors header whose shape overflows is refused too (MLX loads it).
+    let folder = dir.path().join("overflow");
+    std::fs::create_dir(&folder).unwrap();
+    let src = common::derived_model("smollm2-135m-instruct-f32");
+    for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(src.join(f), folder.join(f)).unwrap();
+    }
+    let header =
+        br#"{"a":{"data_offsets":[0,0],"dtype":"F32","shape":[1073741824,1073741824,16]}}"#;
+    let mut file = (header.len() as u64).to_le_bytes().to_vec();
+    file.extend(header);
+    std::fs::write(folder.join("model.safetensors"), file).unwrap();
+    match loader::open(&folder, DtypePolicy::F32, 16) {
+        Err(EngineError::Load(why)) => assert!(why.contains("invalid header"), "{why}"),
+        Ok(_) => panic!("overflowing shape loaded"),
+        Err(e) => panic!("{e}"),
+    }
+}

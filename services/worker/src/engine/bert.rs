@@ -12,7 +12,7 @@ use mlx_rs::ops::{arange, maximum, sum_axes};
 use mlx_rs::{Array, Dtype, fast};
 use serde::Deserialize;
 
-use super::loader::{read_json, safetensors_files};
+use super::loader::{load_safetensors, read_json, safetensors_files};
 use super::policy::DtypePolicy;
 use super::weights::{Linear, TensorStore};
 use super::{EngineError, Result};
@@ -148,8 +148,7 @@ impl BertEncoder {
 
         let mut tensors: HashMap<String, Array> = HashMap::new();
         for file in safetensors_files(dir)? {
-            let loaded = Array::load_safetensors(&file)
-                .map_err(|e| EngineError::Load(format!("{}: {e}", file.display())))?;
+            let loaded = load_safetensors(&file)?;
             // Some exports prefix every name with the model's name.
             tensors.extend(
                 loaded

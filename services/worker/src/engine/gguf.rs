@@ -80,17 +80,10 @@ impl Meta<'_> {
 }
 
 pub fn load(path: &Path) -> Result<GgufModel> {
-    let file = GgufFile::load(path).map_err(|e| {
-        let mut why = format!("{}: {e}", path.display());
-        // MLX's reader fails this way on tensor types it cannot convert (K-quants, Q5_x...).
-        if why.contains("gguf_tensor_to_f16") || why.contains("not supported") {
-            why.push_str(
-                " (MLX reads GGUF tensors of type F32, F16, BF16, Q4_0, Q4_1 and Q8_0 only; \
-                     re-quantise other types, e.g. K-quants or Q5_0, to Q8_0 or Q4_0 first)",
-            );
-        }
-        EngineError::Load(why)
-    })?;
+    // MLX's GGUF reader trusts the file; a corrupt length field crashes it.
+    strata_model_files::check_gguf(path).map_err(|e| EngineError::Load(e.to_string()))?;
+    let file =
+        GgufFile::load(path).map_err(|e| EngineError::Load(format!("{}: {e}", path.display())))?;
     let meta = Meta(&file);
     let arch_name = meta
         .string("general.architecture")?

@@ -16,7 +16,7 @@ use serde::Deserialize;
 
 use super::config::HfConfig;
 use super::llama::{Model, SeqChunk, TensorNaming};
-use super::loader::{read_json, safetensors_files};
+use super::loader::{load_safetensors, read_json, safetensors_files};
 use super::policy::DtypePolicy;
 use super::weights::{Linear, TensorStore};
 use super::{EngineError, Result};
@@ -135,8 +135,7 @@ impl Llava {
         let mut text = HashMap::new();
         let mut other = HashMap::new();
         for file in safetensors_files(dir)? {
-            let loaded = Array::load_safetensors(&file)
-                .map_err(|e| EngineError::Load(format!("{}: {e}", file.display())))?;
+            let loaded = load_safetensors(&file)?;
             for (name, array) in loaded {
                 match name.strip_prefix("language_model.") {
                     Some(rest) => text.insert(rest.to_string(), array),

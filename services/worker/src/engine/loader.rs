@@ -173,6 +173,13 @@ pub(crate) fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
+/// One safetensors file's tensors, after checking its header: MLX's reader accepts shapes whose
+/// size overflows and silently truncates dimensions past 32 bits.
+pub(crate) fn load_safetensors(file: &Path) -> Result<HashMap<String, Array>> {
+    strata_model_files::check_safetensors(file).map_err(|e| EngineError::Load(e.to_string()))?;
+    Array::load_safetensors(file).map_err(|e| EngineError::Load(format!("{}: {e}", file.display())))
+}
+
 /// `tokenizer_config.json` fields we use. Special tokens may be strings or objects.
 #[derive(Debug, Default, Deserialize)]
 struct TokenizerConfig {
@@ -245,9 +252,7 @@ fn open_folder(dir: &Path, policy: DtypePolicy) -> Result<OpenedFolder> {
     let config = hf.to_model_config()?;
     let mut tensors: HashMap<String, Array> = HashMap::new();
     for file in safetensors_files(dir)? {
-        let loaded = Array::load_safetensors(&file)
-            .map_err(|e| EngineError::Load(format!("{}: {e}", file.display())))?;
-        tensors.extend(loaded);
+        tensors.extend(load_safetensors(&file)?);
     }
     let group_size = hf.quantization.map(|q| q.group_size).unwrap_or(64);
     let store = TensorStore::new(tensors, group_size);
