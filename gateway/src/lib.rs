@@ -4,5 +4,6 @@
 pub mod config;
 pub mod discovery;
 pub mod http;
+pub mod stderr_tail;
 pub mod supervisor;
 pub mod workers;

@@ -12,6 +12,8 @@ use strata_proto::worker::worker_client::WorkerClient;
 use tokio::process::{Child, Command};
 use tokio::sync::{mpsc, watch};
 
+use crate::stderr_tail::StderrTail;
+
 /// Which gRPC service a child answers health checks on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -134,8 +136,7 @@ pub fn supervise(spec: ChildSpec, mut shutdown: watch::Receiver<bool>) -> Superv
                 break;
             }
             let error = match result {
-                Ok(status) => format!("exited: {status}"),
-                Err(Down::Requested) => {
+                Down::Requested => {
                     tracing::info!(child = %spec.name, "restarting on request");
                     state_tx.send_modify(|s| {
                         s.phase = Phase::Restarting;
@@ -146,7 +147,7 @@ pub fn supervise(spec: ChildSpec, mut shutdown: watch::Receiver<bool>) -> Superv
                     delay = backoff.initial;
                     continue;
                 }
-                Err(Down::Failed(e)) => e,
+                Down::Failed(e) => e,
             };
             tracing::warn!(child = %spec.name, error = %error, "child down; restarting in {delay:?}");
             state_tx.send_modify(|s| {
@@ -180,19 +181,25 @@ enum Down {
     Requested,
 }
 
-impl From<String> for Down {
-    fn from(e: String) -> Self {
-        Down::Failed(e)
-    }
-}
-
-/// Runs the child once: spawn, wait for health, wait for exit or shutdown.
+/// Runs the child once: spawn, wait for health, wait for exit or shutdown; says why it ended.
 async fn run_once(
     spec: &ChildSpec,
     state: &watch::Sender<ChildState>,
     shutdown: &mut watch::Receiver<bool>,
     control: &mut mpsc::Receiver<Control>,
-) -> Result<std::process::ExitStatus, Down> {
+) -> Down {
+    match run_child(spec, state, shutdown, control).await {
+        Ok(down) => down,
+        Err(e) => Down::Failed(e),
+    }
+}
+
+async fn run_child(
+    spec: &ChildSpec,
+    state: &watch::Sender<ChildState>,
+    shutdown: &mut watch::Receiver<bool>,
+    control: &mut mpsc::Receiver<Control>,
+) -> Result<Down, String> {
     let mut command = Command::new(&spec.program);
     command
         .args(&spec.args)
@@ -201,6 +208,9 @@ async fn run_once(
         // Own process group: a terminal Ctrl-C reaches only the gateway, which stops children in order.
         .process_group(0)
         .kill_on_drop(true);
+    if spec.kind == ChildKind::Worker {
+        command.stderr(Stdio::piped());
+    }
     #[cfg(target_os = "linux")]
     if spec.kind == ChildKind::Worker {
         // A worker must not outlive a gateway that was killed outright (kill_on_drop cannot
@@ -219,6 +229,7 @@ async fn run_once(
     let mut child = command
         .spawn()
         .map_err(|e| format!("spawn {}: {e}", spec.program.display()))?;
+    let tail = child.stderr.take().map(StderrTail::follow);
     let pid = child.id();
     state.send_modify(|s| {
         s.phase = Phase::Starting;
@@ -241,7 +252,7 @@ async fn run_once(
         }
         Err(e) => {
             stop(&spec.name, &mut child).await;
-            return Err(e.into());
+            return Ok(Down::Failed(in_its_words(e, tail).await));
         }
     }
 
@@ -250,14 +261,17 @@ async fn run_once(
     let mut failures = 0;
     loop {
         tokio::select! {
-            status = child.wait() => return status.map_err(|e| Down::Failed(format!("wait: {e}"))),
+            status = child.wait() => {
+                let status = status.map_err(|e| format!("wait: {e}"))?;
+                return Ok(Down::Failed(in_its_words(format!("exited: {status}"), tail).await));
+            }
             _ = shutdown.changed() => {
                 stop(&spec.name, &mut child).await;
-                return Err(Down::Failed("stopped".into()));
+                return Ok(Down::Failed("stopped".into()));
             }
             Some(Control::Restart) = control.recv() => {
                 stop(&spec.name, &mut child).await;
-                return Err(Down::Requested);
+                return Ok(Down::Requested);
             }
             _ = health.tick() => {
                 match probe(spec).await {
@@ -268,7 +282,7 @@ async fn run_once(
                         if failures >= HEALTH_FAILURES_ALLOWED {
                             // Hung: it will not stop politely either.
                             let _ = child.kill().await;
-                            return Err(Down::Failed(format!(
+                            return Ok(Down::Failed(format!(
                                 "killed after {failures} failed health checks ({})",
                                 e.message()
                             )));
@@ -277,6 +291,17 @@ async fn run_once(
                 }
             }
         }
+    }
+}
+
+/// `what` happened, with the fatal error the child printed, if it printed one.
+async fn in_its_words(what: String, tail: Option<StderrTail>) -> String {
+    match tail {
+        Some(tail) => match tail.reason().await {
+            Some(reason) => format!("{what}: {reason}"),
+            None => what,
+        },
+        None => what,
     }
 }
 

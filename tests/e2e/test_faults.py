@@ -10,10 +10,11 @@ import statistics
 import threading
 import time
 
+import anthropic
 import openai
 import pytest
 
-from test_api import MODEL, running_cluster
+from test_api import MODEL, config_cluster, pick_port, running_cluster
 
 # About 600 tokens: two whole 256-token blocks and a tail.
 PREFIX = " ".join(f"Clause {i}: the archive keeps every record it is given." for i in range(50))
@@ -190,3 +191,58 @@ def test_a_worker_forced_past_admission_runs_out_of_memory_and_the_rest_lives(
         r = oai.chat.completions.create(model=MODEL, max_tokens=4, temperature=0,
                                         messages=[{"role": "user", "content": "Hi"}])
         assert r.choices[0].message.content
+
+
+def test_a_corrupt_model_file_is_refused_in_its_own_words_and_the_rest_lives(
+        bin_dir, default_model, tmp_path):
+    # A tensor's dimension count corrupted to 2^24: MLX's own GGUF reader crashes on this
+    # (SIGSEGV); the worker's structural check refuses it first, and that reason reaches the
+    # client, /health and the anthropic SDK's error, while the other model keeps serving.
+    src = default_model.read_bytes()
+    name = b"blk.0.attn_q.weight"
+    at = src.index(name) + len(name)
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(src[:at] + (1 << 24).to_bytes(4, "little") + src[at + 4:])
+    port = pick_port()
+    text = f"""
+bind = "127.0.0.1:{port}"
+run_dir = "{tmp_path / 'run'}"
+restart_backoff_max_ms = 1000
+
+[cache]
+dir = "{tmp_path / 'kv'}"
+ram = "64MiB"
+disk = "256MiB"
+
+[[models]]
+id = "{MODEL}"
+path = "{default_model}"
+pinned = true
+
+[[models]]
+id = "broken"
+path = "{broken}"
+"""
+    with config_cluster(bin_dir, tmp_path, port, text) as c:
+        oai = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        reason = "tensor 'blk.0.attn_q.weight' has 16777216 dimensions (GGUF allows 1 to 4)"
+        with pytest.raises(openai.APIStatusError) as e:
+            oai.chat.completions.create(model="broken", max_tokens=4,
+                                        messages=[{"role": "user", "content": "Hi"}])
+        assert e.value.status_code == 503, e.value
+        assert reason in e.value.message, e.value.message
+        worker = child(c, "worker-broken")
+        assert reason in worker["last_error"] and "exited before ready" in worker["last_error"]
+
+        client = anthropic.Anthropic(base_url=c.url, api_key="x", max_retries=0)
+        with pytest.raises(anthropic.APIStatusError) as e:
+            client.messages.create(model="broken", max_tokens=4,
+                                   messages=[{"role": "user", "content": "Hi"}])
+        assert e.value.status_code in (503, 529) and reason in str(e.value), e.value
+
+        assert c.proc.poll() is None
+        r = oai.chat.completions.create(model=MODEL, max_tokens=4, temperature=0,
+                                        messages=[{"role": "user", "content": "Hi"}])
+        assert r.choices[0].message.content
+        # The worker's own log lines still reach the cluster log through the gateway.
+        assert "cannot read the model" in c.log()
