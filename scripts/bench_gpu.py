@@ -1,0 +1,279 @@
+#!/usr/bin/env python3
+"""Strata on MLX's CUDA backend next to Hugging Face transformers (PyTorch), on one NVIDIA GPU,
+with the same random-weight model of Qwen2.5-Coder-1.5B's shape (scripts/make_random_qwen.py).
+Run on the GPU machine; not in CI.
+
+    python3 bench_gpu.py ceilings --out R.json
+    python3 bench_gpu.py transformers --model DIR --lengths 8192,32768,65536,131072 --out R.json
+    python3 bench_gpu.py strata --model DIR --bin-dir BIN --lengths ... --out R.json
+
+Prompts are random token ids (EOS never ends them: `ignore_eos` for Strata, `min_new_tokens`
+for transformers), float16 on both sides.
+- ceilings: the card's measured bf16/f16 matrix rate and device-to-device copy bandwidth.
+- transformers: SDPA attention; TTFT = one forward pass over the prompt (logits of the last
+  position only), decode = 64 tokens with the static cache, greedy.
+- strata: `strata up` serving the folder; through /v1/completions, streaming: TTFT cold, with
+  the prompt in the worker's cache (warm), and after a restart of all three processes (blocks
+  from the cache service's disk tier); decode tok/s over 64 tokens. Then the huge-context
+  stability test: a 98K-token prompt must end in an answer or a clear refusal, never a crash.
+Roofline: prefill FLOPs = 2 x (non-embedding parameters + lm_head for one position) x tokens +
+causal attention 2 x 2 x layers x tokens^2 / 2 x (heads x head_dim); decode bytes per token =
+the weights read once (float16) plus the KV read at that context.
+"""
+import argparse
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 28, 1536, 12, 2, 128, 8960, 151936
+
+
+def params_non_embedding():
+    attn = HIDDEN * HEADS * HEAD_DIM * 2 + HIDDEN * KV_HEADS * HEAD_DIM * 2
+    mlp = 3 * HIDDEN * INTER
+    return LAYERS * (attn + mlp)
+
+
+def prefill_flops(tokens):
+    dense = 2 * params_non_embedding() * tokens + 2 * HIDDEN * VOCAB
+    attention = 2 * 2 * LAYERS * HEADS * HEAD_DIM * tokens * tokens / 2
+    return dense + attention
+
+
+def decode_bytes(context):
+    weights = 2 * (params_non_embedding() + HIDDEN * VOCAB)
+    kv = 2 * LAYERS * 2 * KV_HEADS * HEAD_DIM * context
+    return weights + kv
+
+
+def prompt_ids(n, seed):
+    import random
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 150000) for _ in range(n)]
+
+
+def ceilings(args):
+    import torch
+    out = {}
+    for dtype in (torch.bfloat16, torch.float16):
+        a = torch.randn(8192, 8192, device="cuda", dtype=dtype)
+        b = torch.randn(8192, 8192, device="cuda", dtype=dtype)
+        for _ in range(3):
+            a @ b
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(10):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            a @ b
+            e.record()
+            torch.cuda.synchronize()
+            times.append(s.elapsed_time(e) / 1e3)
+        times.sort()
+        out[f"{dtype}".replace("torch.", "") + "_tflops"] = 2 * 8192**3 / times[5] / 1e12
+    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        y.copy_(x)
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    times.sort()
+    out["copy_gbps"] = 2 * x.numel() / times[5] / 1e9  # bytes read plus written
+    out["device"] = torch.cuda.get_device_name()
+    return out
+
+
+def transformers_bench(args):
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float16,
+                                                 attn_implementation="sdpa").cuda().eval()
+    results = {}
+    for n in args.lengths:
+        ids = torch.tensor([prompt_ids(n, seed=n)], device="cuda")
+        row = {}
+        try:
+            with torch.no_grad():
+                model(ids[:, :1024], logits_to_keep=1)  # warm-up
+                torch.cuda.synchronize()
+                ttfts = []
+                for _ in range(args.repeat):
+                    started = time.perf_counter()
+                    logits = model(ids, logits_to_keep=1).logits
+                    logits.argmax(-1).item()
+                    ttfts.append(time.perf_counter() - started)
+                row["ttft_s"] = sorted(ttfts)[len(ttfts) // 2]
+                row["ttft_all"] = ttfts
+                if n <= args.decode_max:
+                    started = time.perf_counter()
+                    out = model.generate(ids, max_new_tokens=65, min_new_tokens=65,
+                                         do_sample=False, cache_implementation="static")
+                    total = time.perf_counter() - started
+                    assert out.shape[1] == n + 65
+                    row["decode_tok_s"] = 64 / max(total - row["ttft_s"], 1e-9)
+                row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        except torch.OutOfMemoryError as e:
+            row["error"] = f"out of memory: {str(e)[:200]}"
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        results[n] = row
+        print(f"transformers {n}: {row}", file=sys.stderr, flush=True)
+    return results
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def complete(base, ids, max_tokens, timeout=900):
+    """(ttft, decode tok/s, usage) of one streaming completion; raises on an HTTP error."""
+    body = {"model": "m", "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"}, method="POST")
+    started = time.perf_counter()
+    first = last = None
+    usage = {}
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("choices"):
+                now = time.perf_counter() - started
+                first = now if first is None else first
+                last = now
+            if event.get("usage"):
+                usage = event["usage"]
+    tokens = usage.get("completion_tokens", 0)
+    rate = (tokens - 1) / (last - first) if tokens > 1 and last > first else None
+    return first, rate, usage
+
+
+class Cluster:
+    def __init__(self, args, tmp):
+        self.args, self.tmp = args, tmp
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.proc = None
+
+    def start(self):
+        cmd = [str(pathlib.Path(self.args.bin_dir) / "strata"), "up", "--bind",
+               f"127.0.0.1:{self.port}", "--model", self.args.model, "--model-id", "m",
+               "--run-dir", str(self.tmp / "run"), "--kv-dir", str(self.tmp / "kv"),
+               "--kv-ram", "16GiB", "--kv-disk", "64GiB", "--worker-memory-budget", "100GiB"]
+        self.proc = subprocess.Popen(cmd, stdout=open(self.tmp / "strata.log", "ab"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("strata exited: " + self.log_tail())
+            try:
+                complete(self.base, [1000, 1001], 1, timeout=60)
+                return
+            except (OSError, urllib.error.HTTPError):
+                time.sleep(0.5)
+        raise RuntimeError("strata not ready: " + self.log_tail())
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=120)
+
+    def log_tail(self):
+        return (self.tmp / "strata.log").read_text(errors="replace")[-3000:]
+
+    def health(self):
+        with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
+            return json.load(r)
+
+
+def strata_bench(args):
+    tmp = pathlib.Path(args.tmp)
+    tmp.mkdir(parents=True, exist_ok=True)
+    c = Cluster(args, tmp)
+    c.start()
+    results = {"health": c.health()}
+    try:
+        for n in args.lengths:
+            ids = prompt_ids(n, seed=n)
+            row = {}
+            try:
+                row["cold_s"], _, usage = complete(c.base, ids, 1)
+                row["warm_s"], _, usage = complete(c.base, ids, 1)
+                row["warm_cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get(
+                    "cached_tokens")
+                if n <= args.decode_max:
+                    _, row["decode_tok_s"], _ = complete(c.base, ids + [1002], 65)
+            except urllib.error.HTTPError as e:
+                row["error"] = f"HTTP {e.code}: {e.read().decode(errors='replace')[:300]}"
+            results[n] = row
+            print(f"strata {n}: {row}", file=sys.stderr, flush=True)
+        # After a restart of all three processes: the blocks come from the disk tier.
+        c.stop()
+        c.start()
+        for n in args.lengths:
+            if "error" in results[n]:
+                continue
+            t, _, usage = complete(c.base, prompt_ids(n, seed=n), 1)
+            results[n]["restart_s"] = t
+            results[n]["restart_cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get(
+                "cached_tokens")
+        # The seed's stability test: oMLX crashed 77K tokens into a 98K prompt.
+        worker_before = [ch["pid"] for ch in c.health()["children"] if ch["kind"] == "worker"]
+        huge = {}
+        started = time.perf_counter()
+        try:
+            huge["ttft_s"], _, usage = complete(c.base, prompt_ids(98304, seed=98304), 4,
+                                                timeout=1800)
+            huge["outcome"] = f"served: {usage}"
+        except urllib.error.HTTPError as e:
+            huge["outcome"] = f"refused with HTTP {e.code}: {e.read().decode(errors='replace')[:300]}"
+        huge["took_s"] = time.perf_counter() - started
+        worker_after = [ch["pid"] for ch in c.health()["children"] if ch["kind"] == "worker"]
+        huge["worker_survived"] = worker_before == worker_after
+        results["stability_98k"] = huge
+        print(f"strata 98K: {huge}", file=sys.stderr, flush=True)
+    finally:
+        c.stop()
+    results["log_tail"] = c.log_tail()
+    return results
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["ceilings", "transformers", "strata"])
+    ap.add_argument("--model")
+    ap.add_argument("--bin-dir")
+    ap.add_argument("--lengths", default="8192,32768,65536,131072")
+    ap.add_argument("--decode-max", type=int, default=8192,
+                    help="longest prompt also measured for decode speed")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--tmp", default="/tmp/strata-gpu-bench")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    args.lengths = [int(x) for x in args.lengths.split(",")]
+    run = {"ceilings": ceilings, "transformers": transformers_bench, "strata": strata_bench}
+    result = run[args.what](args)
+    pathlib.Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    print(json.dumps(result, default=str)[:4000])
+
+
+if __name__ == "__main__":
+    main()
