@@ -6,6 +6,7 @@ Run on the GPU machine; not in CI.
     python3 bench_gpu.py ceilings --out R.json
     python3 bench_gpu.py transformers --model DIR --lengths 8192,32768,65536,131072 --out R.json
     python3 bench_gpu.py strata --model DIR --bin-dir BIN --lengths ... --out R.json
+    python3 bench_gpu.py report --out FOLDER     # the tables, from the JSON files above
 
 Prompts are random token ids (EOS never ends them: `ignore_eos` for Strata, `min_new_tokens`
 for transformers), float16 on both sides.
@@ -118,9 +119,15 @@ def transformers_bench(args):
                 row["ttft_s"] = sorted(ttfts)[len(ttfts) // 2]
                 row["ttft_all"] = ttfts
                 if n <= args.decode_max:
+                    def generate():
+                        return model.generate(ids, max_new_tokens=65, min_new_tokens=65,
+                                              do_sample=False, cache_implementation="static")
+                    # transformers compiles the forward pass for a static cache on first use:
+                    # the first call pays that, the second is timed.
+                    generate()
+                    torch.cuda.synchronize()
                     started = time.perf_counter()
-                    out = model.generate(ids, max_new_tokens=65, min_new_tokens=65,
-                                         do_sample=False, cache_implementation="static")
+                    out = generate()
                     total = time.perf_counter() - started
                     assert out.shape[1] == n + 65
                     row["decode_tok_s"] = 64 / max(total - row["ttft_s"], 1e-9)
@@ -131,6 +138,7 @@ def transformers_bench(args):
         torch.cuda.reset_peak_memory_stats()
         results[n] = row
         print(f"transformers {n}: {row}", file=sys.stderr, flush=True)
+        save(args, results)
     return results
 
 
@@ -225,6 +233,7 @@ def strata_bench(args):
                 row["error"] = f"HTTP {e.code}: {e.read().decode(errors='replace')[:300]}"
             results[n] = row
             print(f"strata {n}: {row}", file=sys.stderr, flush=True)
+            save(args, results)
         # After a restart of all three processes: the blocks come from the disk tier.
         c.stop()
         c.start()
@@ -235,6 +244,9 @@ def strata_bench(args):
             results[n]["restart_s"] = t
             results[n]["restart_cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get(
                 "cached_tokens")
+            save(args, results)
+        if not args.stability:
+            return results
         # The seed's stability test: oMLX crashed 77K tokens into a 98K prompt.
         worker_before = [ch["pid"] for ch in c.health()["children"] if ch["kind"] == "worker"]
         huge = {}
@@ -256,9 +268,74 @@ def strata_bench(args):
     return results
 
 
+def report(args):
+    """The markdown tables of docs/BENCHMARKS.md from the JSON files the other modes wrote
+    (--out names a folder holding them: ceilings*, transformers*, strata*)."""
+    folder = pathlib.Path(args.out)
+    load = lambda pattern: [json.loads(p.read_text()) for p in sorted(folder.glob(pattern))]
+    ceil = load("ceilings*.json")[0]
+    hf, st = {}, {}
+    # TTFTs from the first file that has them (the 3-run ones); decode speed from the last
+    # (the run that timed a second, compiled generate).
+    for part in load("transformers*.json"):
+        for n, row in part.items():
+            held = hf.setdefault(int(n), {})
+            for key, value in row.items():
+                if key == "decode_tok_s" or key not in held:
+                    held[key] = value
+    for part in load("strata*.json"):
+        for n, row in part.items():
+            if n.isdigit():
+                st.setdefault(int(n), {}).update(row)
+    flops_ceiling = ceil["float16_tflops"] * 1e12
+    lines = [f"Ceilings measured on the card ({ceil['device']}): f16 matmul "
+             f"{ceil['float16_tflops']:.0f} TFLOP/s, bf16 {ceil['bfloat16_tflops']:.0f} TFLOP/s, "
+             f"device copy {ceil['copy_gbps']:.0f} GB/s (read + written).", "",
+             "| prompt tokens | transformers TTFT | Strata TTFT cold | Strata warm (L0) | "
+             "Strata after restart (disk) | cold: transformers / Strata | transformers "
+             "TFLOP/s (% of f16) | Strata cold TFLOP/s (% of f16) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for n in sorted(set(hf) | set(st)):
+        h, s_ = hf.get(n, {}), st.get(n, {})
+        f = prefill_flops(n)
+        cells = [f"{n}"]
+        cells.append(f"{h['ttft_s']:.3f} s" if "ttft_s" in h else h.get("error", "-"))
+        if "cold_s" in s_:
+            cells += [f"{s_['cold_s']:.2f} s", f"{s_['warm_s']:.2f} s",
+                      f"{s_['restart_s']:.2f} s" if "restart_s" in s_ else "-"]
+        else:
+            error = s_.get("error", "-")
+            if '"message":"' in error:
+                error = "refused: " + error.split('"message":"')[1].split('"')[0]
+            cells += [error, "-", "-"]
+        both = "ttft_s" in h and "cold_s" in s_
+        cells.append(f"{h['ttft_s'] / s_['cold_s']:.3f}" if both else "-")
+        for t in (h.get("ttft_s"), s_.get("cold_s")):
+            cells.append(f"{f / t / 1e12:.1f} ({100 * f / t / flops_ceiling:.1f}%)" if t else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "| decode, 64 tokens after a prompt of | transformers tok/s (static cache) | "
+              "Strata tok/s | transformers GB/s (% of copy) | Strata GB/s (% of copy) |",
+              "|---|---|---|---|---|"]
+    for n in sorted(set(hf) | set(st)):
+        a, b = hf.get(n, {}).get("decode_tok_s"), st.get(n, {}).get("decode_tok_s")
+        if not (a and b):
+            continue
+        bw = [r * decode_bytes(n) / 1e9 for r in (a, b)]
+        lines.append(f"| {n} | {a:.1f} | {b:.1f} | " + " | ".join(
+            f"{x:.0f} ({100 * x / ceil['copy_gbps']:.1f}%)" for x in bw) + " |")
+    text = "\n".join(lines)
+    print(text)
+    return {"markdown": text}
+
+
+def save(args, results):
+    """Results so far: a run cut off by its time limit still leaves them."""
+    pathlib.Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["ceilings", "transformers", "strata"])
+    ap.add_argument("what", choices=["ceilings", "transformers", "strata", "report"])
     ap.add_argument("--model")
     ap.add_argument("--bin-dir")
     ap.add_argument("--lengths", default="8192,32768,65536,131072")
@@ -266,12 +343,17 @@ def main():
                     help="longest prompt also measured for decode speed")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--tmp", default="/tmp/strata-gpu-bench")
+    ap.add_argument("--no-stability", dest="stability", action="store_false",
+                    help="skip the 98K-token stability test")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
+    if args.what == "report":
+        report(args)
+        return
     run = {"ceilings": ceilings, "transformers": transformers_bench, "strata": strata_bench}
     result = run[args.what](args)
-    pathlib.Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    save(args, result)
     print(json.dumps(result, default=str)[:4000])
 
 
