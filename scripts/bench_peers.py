@@ -429,7 +429,7 @@ def plot(args, results, out):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(11, 5.5))
     styles = {"cold": "-", "turn": "--", "prefix": "-.", "restart": ":"}
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (name, r) in enumerate(results.items()):
@@ -445,7 +445,7 @@ def plot(args, results, out):
     ax.set_ylabel("time to first token (s)")
     ax.set_title("TTFT by prompt length and cache state (SmolLM2-135M, CPU)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), handlelength=3)
     fig.tight_layout()
     fig.savefig(out / "ttft_vs_prompt.png", dpi=120)
 
@@ -475,7 +475,15 @@ def main():
     ap.add_argument("--llama-server", default=None, help="[default: from $STRATA_CACHE/peers]")
     ap.add_argument("--vllm-mlx", default=str(PEERS / "vllmmlxvenv/bin/vllm-mlx"))
     ap.add_argument("--out", default="docs/bench")
+    ap.add_argument("--replot", metavar="PEERS_JSON",
+                    help="only redraw the plot from a previous run's peers.json")
     args = ap.parse_args()
+    if args.replot:
+        results = json.loads(pathlib.Path(args.replot).read_text())["results"]
+        for r in results.values():
+            r["ttft"] = {int(n): row for n, row in r["ttft"].items()}
+        plot(args, results, pathlib.Path(args.out))
+        return
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.streams = [int(x) for x in args.streams.split(",")]
     if args.llama_server is None:
