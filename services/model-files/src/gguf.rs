@@ -14,6 +14,10 @@ const DEFAULT_ALIGNMENT: u64 = 32;
 /// ggml tensors have at most four dimensions.
 const MAX_DIMS: u32 = 4;
 const ALIGNMENT_KEY: &str = "general.alignment";
+/// Longest string read (a key, a name, a value such as a chat template): real ones are well
+/// under a megabyte, and a corrupt length must not make the check allocate gigabytes of a
+/// large file.
+const MAX_STRING: u64 = 16 << 20;
 
 /// What a GGUF file holds, once it passed the checks.
 #[derive(Debug, Clone, PartialEq)]
@@ -172,6 +176,11 @@ pub fn check_gguf_reader<R: Read>(reader: R, len: u64) -> Result<GgufSummary, Fo
 /// A length-prefixed UTF-8 string.
 fn string<R: Read>(r: &mut Bounded<R>, what: &str) -> Result<String, FormatError> {
     let n = r.u64(&format!("length of {what}"))?;
+    if n > MAX_STRING {
+        return Err(FormatError::invalid(format!(
+            "{what} claims {n} bytes (at most {MAX_STRING} are allowed): corrupt"
+        )));
+    }
     let bytes = r.bytes(n, what)?;
     String::from_utf8(bytes).map_err(|_| FormatError::invalid(format!("{what} is not UTF-8")))
 }

@@ -184,9 +184,19 @@ fn corrupt_length_fields_are_refused_before_anything_is_allocated() {
     let mut huge_kv = valid();
     huge_kv[16..24].copy_from_slice(&u64::MAX.to_le_bytes());
     assert!(check(&huge_kv).is_err());
-    // The first key's length.
+    // The first key's length: absurd (even in a large file), or past the end of this one.
     let mut huge_string = valid();
     huge_string[24..32].copy_from_slice(&(1u64 << 62).to_le_bytes());
+    let e = refused(&huge_string);
+    assert!(
+        e.contains("metadata key #0") && e.contains("at most 16777216"),
+        "{e}"
+    );
+    let e = check_gguf_reader(&huge_string[..], 1 << 40)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("at most 16777216"), "{e}");
+    huge_string[24..32].copy_from_slice(&(1u64 << 20).to_le_bytes());
     let e = refused(&huge_string);
     assert!(
         e.contains("metadata key #0") && e.contains("runs past the end"),
