@@ -164,23 +164,29 @@ impl KvCache {
             )));
         }
         let per_token = self.layout.bytes_per_token();
-        let mut out = Vec::with_capacity((end - start) * per_token);
+        let mut slices = Vec::with_capacity(2 * self.layers.len());
         for kv in &self.layers {
             let kv = kv
                 .as_ref()
                 .ok_or_else(|| EngineError::Config("export from an empty cache".into()))?;
             for buf in [&kv.keys, &kv.values] {
-                let slice = buf
-                    .try_index((.., .., start as i32..end as i32, ..))?
-                    .flatten(None, None)?
-                    .view::<u8>()?;
-                slice.eval()?;
-                out.extend_from_slice(
-                    slice
-                        .try_as_slice::<u8>()
-                        .map_err(|e| EngineError::Mlx(format!("reading KV bytes: {e}")))?,
+                slices.push(
+                    buf.try_index((.., .., start as i32..end as i32, ..))?
+                        .flatten(None, None)?
+                        .view::<u8>()?,
                 );
             }
+        }
+        // One evaluation for all layers: on a GPU each is a synchronisation with the device,
+        // and one per layer and K/V made a block's export cost more than its prefill.
+        mlx_rs::transforms::eval(&slices)?;
+        let mut out = Vec::with_capacity((end - start) * per_token);
+        for slice in &slices {
+            out.extend_from_slice(
+                slice
+                    .try_as_slice::<u8>()
+                    .map_err(|e| EngineError::Mlx(format!("reading KV bytes: {e}")))?,
+            );
         }
         Ok(out)
     }
