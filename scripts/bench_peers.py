@@ -86,9 +86,10 @@ def post_json(url, body, timeout=30):
         return json.load(r)
 
 
-def stream_chat(base, model, messages, max_tokens, extra):
+def stream_chat(base, model, messages, max_tokens, extra, usage_out=None):
     """(ttft_s, decode_s, completion_tokens, prompt_tokens, text) of one streaming chat
-    request."""
+    request. With `usage_out` (a dict), an answer with no content is no error (its TTFT is
+    the time to the end) and the server's usage is copied into it."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}, **extra}
     req = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
@@ -114,6 +115,10 @@ def stream_chat(base, model, messages, max_tokens, extra):
                     chunks += 1
             if event.get("usage"):
                 usage = event["usage"]
+    if usage_out is not None:
+        usage_out.update(usage)
+        if first is None:
+            first = last = time.monotonic() - started
     if first is None:
         raise RuntimeError(f"no content streamed from {base}")
     completion = usage.get("completion_tokens") or chunks

@@ -16,6 +16,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use super::error::{ApiError, ErrorKind, Flavor, from_worker_status};
 use super::generation::{self, Collected, read_json, response_id};
 use super::images::{self, ImageSource};
+use super::tools::{self, CallParser, Piece, ToolCall, ToolUse};
 use super::{AppState, TenantKey};
 use crate::config::ModelKind;
 use axum::Extension;
@@ -35,6 +36,7 @@ pub struct MessagesRequest {
     #[serde(default)]
     stream: bool,
     tools: Option<Vec<Value>>,
+    tool_choice: Option<Value>,
     /// Extension: requests with different salts never share cached blocks.
     cache_salt: Option<String>,
 }
@@ -45,6 +47,7 @@ pub struct CountTokensRequest {
     messages: Vec<Value>,
     system: Option<Value>,
     tools: Option<Vec<Value>>,
+    tool_choice: Option<Value>,
 }
 
 fn invalid(message: impl Into<String>) -> ApiError {
@@ -70,7 +73,7 @@ fn text_of(content: &Value, what: &str) -> Result<String, ApiError> {
                     }
                     Some(kind @ ("tool_use" | "tool_result")) => {
                         return Err(invalid(format!(
-                            "{what}[{j}] is a {kind} block: tools are not supported by this server yet"
+                            "{what}[{j}] is a {kind} block, which is not valid here (tool_use goes in assistant messages, tool_result in user messages)"
                         )));
                     }
                     // Thinking blocks from earlier turns carry nothing the model can use here.
@@ -136,18 +139,14 @@ async fn chat_prompt(
     vision: bool,
     system: Option<&Value>,
     messages: &[Value],
-    tools: Option<&Vec<Value>>,
+    tool_use: Option<&ToolUse>,
 ) -> Result<pb::Prompt, ApiError> {
-    if tools.is_some_and(|t| !t.is_empty()) {
-        return Err(invalid(
-            "tools are not supported by this server yet; send the request without tools",
-        ));
-    }
     if messages.is_empty() {
         return Err(invalid("messages: at least one message is required"));
     }
     let mut out = Vec::new();
     let mut sources = Vec::new();
+    let mut call_ids: Vec<String> = Vec::new();
     if let Some(system) = system {
         let text = text_of(system, "system")?;
         if !text.is_empty() {
@@ -173,6 +172,18 @@ async fn chat_prompt(
             .get("content")
             .ok_or_else(|| invalid(format!("messages.{i}.content: field required")))?;
         let what = format!("messages.{i}.content");
+        let has_tool_blocks = content.as_array().is_some_and(|blocks| {
+            blocks.iter().any(|b| {
+                matches!(
+                    b.get("type").and_then(Value::as_str),
+                    Some("tool_use" | "tool_result")
+                )
+            })
+        });
+        if has_tool_blocks {
+            out.extend(tool_turn(role, content, &what, &mut call_ids)?);
+            continue;
+        }
         let content = if vision {
             content_parts(content, &what, &mut sources)?
         } else {
@@ -186,18 +197,91 @@ async fn chat_prompt(
     Ok(pb::Prompt {
         input: Some(pb::prompt::Input::Chat(pb::Chat {
             messages_json: Value::Array(out).to_string(),
-            tools_json: String::new(),
+            tools_json: tool_use
+                .and_then(ToolUse::template_tools)
+                .map(|t| t.to_string())
+                .unwrap_or_default(),
             add_generation_prompt: !prefill,
             images,
         })),
     })
 }
 
-fn stop_reason(f: pb::FinishReason) -> &'static str {
+/// A message with tool blocks, as template messages: an assistant's text and `tool_use`
+/// blocks become one message with `tool_calls`; a user's `tool_result` blocks become `tool`
+/// messages (each answering a call made earlier), then its text, if any.
+fn tool_turn(
+    role: &str,
+    content: &Value,
+    what: &str,
+    call_ids: &mut Vec<String>,
+) -> Result<Vec<Value>, ApiError> {
+    let mut text = String::new();
+    let mut calls = Vec::new();
+    let mut out = Vec::new();
+    for (j, b) in content.as_array().into_iter().flatten().enumerate() {
+        let at = format!("{what}.{j}");
+        let field = |name: &str| {
+            b.get(name)
+                .and_then(Value::as_str)
+                .ok_or_else(|| invalid(format!("{at}.{name}: field required")))
+        };
+        match b.get("type").and_then(Value::as_str) {
+            Some("tool_use") if role == "assistant" => {
+                let id = field("id")?;
+                let input = b
+                    .get("input")
+                    .filter(|i| i.is_object())
+                    .ok_or_else(|| invalid(format!("{at}.input: must be an object")))?;
+                calls.push(json!({"id": id, "type": "function",
+                    "function": {"name": field("name")?, "arguments": input}}));
+                call_ids.push(id.to_string());
+            }
+            Some("tool_result") if role == "user" => {
+                let id = field("tool_use_id")?;
+                if !call_ids.iter().any(|known| known == id) {
+                    return Err(invalid(format!(
+                        "{at}.tool_use_id: {id:?} does not match a tool_use block of an earlier assistant message"
+                    )));
+                }
+                let mut result = match b.get("content") {
+                    None | Some(Value::Null) => String::new(),
+                    Some(c) => text_of(c, &format!("{at}.content"))?,
+                };
+                if b.get("is_error").and_then(Value::as_bool) == Some(true) {
+                    result = format!("Error: {result}");
+                }
+                out.push(json!({"role": "tool", "tool_call_id": id, "content": result}));
+            }
+            Some(kind @ ("tool_use" | "tool_result")) => {
+                return Err(invalid(format!(
+                    "{at}: a {kind} block cannot be in a {role} message"
+                )));
+            }
+            _ => text.push_str(&text_of(&Value::Array(vec![b.clone()]), &at)?),
+        }
+    }
+    if role == "assistant" {
+        out.push(json!({"role": "assistant", "content": text, "tool_calls": calls}));
+    } else if !text.is_empty() {
+        out.push(json!({"role": "user", "content": text}));
+    }
+    Ok(out)
+}
+
+fn stop_reason(f: pb::FinishReason, made_calls: bool) -> &'static str {
     match f {
         pb::FinishReason::Length => "max_tokens",
+        _ if made_calls => "tool_use",
         _ => "end_turn",
     }
+}
+
+/// A call as a `tool_use` content block.
+fn tool_use_block(call: &ToolCall) -> Value {
+    let input: Value =
+        serde_json::from_str(&call.arguments).unwrap_or_else(|_| Value::Object(Default::default()));
+    json!({"type": "tool_use", "id": tools::call_id("toolu_"), "name": call.name, "input": input})
 }
 
 fn usage_json(u: &pb::Usage) -> Value {
@@ -229,12 +313,15 @@ pub async fn messages(
     if req.max_tokens == 0 {
         return Err(invalid("max_tokens: must be at least 1"));
     }
+    let tool_use = ToolUse::anthropic(req.tools.as_deref(), req.tool_choice.as_ref())
+        .map_err(|e| e.flavor(FLAVOR))?;
+    let reads_calls = tool_use.as_ref().is_some_and(ToolUse::offered);
     let prompt = chat_prompt(
         &state,
         model.kind == ModelKind::Vlm,
         req.system.as_ref(),
         &req.messages,
-        req.tools.as_ref(),
+        tool_use.as_ref(),
     )
     .await?;
     let stop = req.stop_sequences.clone().unwrap_or_default();
@@ -258,34 +345,48 @@ pub async fn messages(
         ignore_eos: false,
         prefill_breaks: Vec::new(),
         cache_salt: super::cache_salt(tenant.as_deref(), req.cache_salt.as_deref()),
+        constraint: tool_use.as_ref().and_then(ToolUse::constraint),
     };
     let stream = generation::start(&state, &model, worker_req, FLAVOR).await?;
     let id = response_id("msg_");
     if req.stream {
-        return Ok(stream_events(stream, id, req.model));
+        return Ok(stream_events(stream, id, req.model, reads_calls));
     }
     let Collected { text, done, .. } = generation::collect(stream, FLAVOR).await?;
+    let (text, calls) = if reads_calls {
+        tools::split_answer(&text)
+    } else {
+        (text, Vec::new())
+    };
+    let mut content = Vec::new();
+    if !text.is_empty() || calls.is_empty() {
+        content.push(json!({"type": "text", "text": text}));
+    }
+    content.extend(calls.iter().map(tool_use_block));
     Ok(Json(json!({
         "id": id,
         "type": "message",
         "role": "assistant",
         "model": req.model,
-        "content": [{"type": "text", "text": text}],
-        "stop_reason": stop_reason(generation::finish(&done)),
+        "content": content,
+        "stop_reason": stop_reason(generation::finish(&done), !calls.is_empty()),
         "stop_sequence": null,
         "usage": usage_json(&generation::usage(&done)),
     }))
     .into_response())
 }
 
-/// message_start, content_block_start, ping, content_block_delta…, content_block_stop,
-/// message_delta (stop reason and usage), message_stop; an error ends the stream with an
-/// `error` event.
-fn stream_events(mut stream: generation::GenerationStream, id: String, model: String) -> Response {
+/// message_start, ping, then content blocks (text as text_delta events; with tools offered,
+/// each call as a tool_use block with its input as one input_json_delta), message_delta (stop
+/// reason and usage), message_stop; an error ends the stream with an `error` event.
+fn stream_events(
+    mut stream: generation::GenerationStream,
+    id: String,
+    model: String,
+    reads_calls: bool,
+) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(32);
     tokio::spawn(async move {
-        let event =
-            |name: &str, data: Value| Ok(Event::default().event(name).data(data.to_string()));
         // The worker's first event carries the prompt's size, which message_start reports.
         let input_tokens = match stream.message().await {
             Ok(Some(pb::GenerateEvent {
@@ -293,8 +394,10 @@ fn stream_events(mut stream: generation::GenerationStream, id: String, model: St
             })) => s.prompt_tokens,
             _ => 0,
         };
-        let start = [
-            event(
+        let mut blocks = Blocks::default();
+        let mut parser = reads_calls.then(CallParser::default);
+        let start = vec![
+            sse_event(
                 "message_start",
                 json!({"type": "message_start", "message": {
                     "id": id, "type": "message", "role": "assistant", "model": model, "content": [],
@@ -302,17 +405,10 @@ fn stream_events(mut stream: generation::GenerationStream, id: String, model: St
                     "usage": {"input_tokens": input_tokens, "output_tokens": 0},
                 }}),
             ),
-            event(
-                "content_block_start",
-                json!({"type": "content_block_start", "index": 0,
-                "content_block": {"type": "text", "text": ""}}),
-            ),
-            event("ping", json!({"type": "ping"})),
+            sse_event("ping", json!({"type": "ping"})),
         ];
-        for e in start {
-            if tx.send(e).await.is_err() {
-                return;
-            }
+        if send_all(&tx, start).await.is_err() {
+            return;
         }
         loop {
             let item = tokio::select! {
@@ -320,41 +416,32 @@ fn stream_events(mut stream: generation::GenerationStream, id: String, model: St
                 // The client disconnected: dropping the stream cancels the generation.
                 _ = tx.closed() => return,
             };
-            match item {
+            let events = match item {
                 Ok(Some(ev)) => match ev.event {
                     Some(generate_event::Event::Delta(d)) if !d.text.is_empty() => {
-                        let e = event(
-                            "content_block_delta",
-                            json!({"type": "content_block_delta", "index": 0,
-                            "delta": {"type": "text_delta", "text": d.text}}),
-                        );
-                        if tx.send(e).await.is_err() {
-                            return;
-                        }
+                        let pieces = match parser.as_mut() {
+                            Some(p) => p.push(&d.text),
+                            None => vec![Piece::Text(d.text)],
+                        };
+                        blocks.events(pieces)
                     }
                     Some(generate_event::Event::Done(done)) => {
+                        let rest = parser.as_mut().map(CallParser::finish).unwrap_or_default();
+                        let mut events = blocks.events(rest);
+                        events.extend(blocks.close_all());
                         let u = generation::usage(&done);
-                        let end = [
-                            event(
-                                "content_block_stop",
-                                json!({"type": "content_block_stop", "index": 0}),
-                            ),
-                            event(
-                                "message_delta",
-                                json!({"type": "message_delta",
-                                "delta": {"stop_reason": stop_reason(generation::finish(&done)), "stop_sequence": null},
-                                "usage": usage_json(&u)}),
-                            ),
-                            event("message_stop", json!({"type": "message_stop"})),
-                        ];
-                        for e in end {
-                            if tx.send(e).await.is_err() {
-                                return;
-                            }
-                        }
+                        let reason = stop_reason(generation::finish(&done), blocks.calls > 0);
+                        events.push(sse_event(
+                            "message_delta",
+                            json!({"type": "message_delta",
+                            "delta": {"stop_reason": reason, "stop_sequence": null},
+                            "usage": usage_json(&u)}),
+                        ));
+                        events.push(sse_event("message_stop", json!({"type": "message_stop"})));
+                        let _ = send_all(&tx, events).await;
                         return;
                     }
-                    _ => {}
+                    _ => Vec::new(),
                 },
                 Ok(None) => {
                     let e = ApiError::new(
@@ -362,21 +449,120 @@ fn stream_events(mut stream: generation::GenerationStream, id: String, model: St
                         "the worker ended the generation without finishing it",
                     )
                     .flavor(FLAVOR);
-                    let _ = tx.send(event("error", e.body())).await;
+                    let _ = tx.send(sse_event("error", e.body())).await;
                     return;
                 }
                 Err(status) => {
                     let e = from_worker_status(&status).flavor(FLAVOR);
                     tracing::warn!(error = %e, "stream ended by an error");
-                    let _ = tx.send(event("error", e.body())).await;
+                    let _ = tx.send(sse_event("error", e.body())).await;
                     return;
                 }
+            };
+            if send_all(&tx, events).await.is_err() {
+                return;
             }
         }
     });
     Sse::new(ReceiverStream::new(rx))
         .keep_alive(KeepAlive::default())
         .into_response()
+}
+
+fn sse_event(name: &str, data: Value) -> Result<Event, Infallible> {
+    Ok(Event::default().event(name).data(data.to_string()))
+}
+
+async fn send_all(
+    tx: &tokio::sync::mpsc::Sender<Result<Event, Infallible>>,
+    events: Vec<Result<Event, Infallible>>,
+) -> Result<(), ()> {
+    for e in events {
+        tx.send(e).await.map_err(|_| ())?;
+    }
+    Ok(())
+}
+
+/// The content blocks of a streamed message: a text block stays open while text comes; a
+/// call is a whole tool_use block.
+#[derive(Default)]
+struct Blocks {
+    /// Blocks started so far.
+    count: usize,
+    text_open: bool,
+    calls: usize,
+}
+
+impl Blocks {
+    fn events(&mut self, pieces: Vec<Piece>) -> Vec<Result<Event, Infallible>> {
+        let mut out = Vec::new();
+        for piece in pieces {
+            match piece {
+                Piece::Text(text) => {
+                    if !self.text_open {
+                        out.push(sse_event(
+                            "content_block_start",
+                            json!({"type": "content_block_start", "index": self.count,
+                            "content_block": {"type": "text", "text": ""}}),
+                        ));
+                        self.count += 1;
+                        self.text_open = true;
+                    }
+                    out.push(sse_event(
+                        "content_block_delta",
+                        json!({"type": "content_block_delta", "index": self.count - 1,
+                        "delta": {"type": "text_delta", "text": text}}),
+                    ));
+                }
+                Piece::Call(call) => {
+                    out.extend(self.close_text());
+                    let index = self.count;
+                    self.count += 1;
+                    self.calls += 1;
+                    let block = tool_use_block(&call);
+                    out.push(sse_event(
+                        "content_block_start",
+                        json!({"type": "content_block_start", "index": index,
+                        "content_block": {"type": "tool_use", "id": block["id"].clone(),
+                            "name": call.name, "input": {}}}),
+                    ));
+                    out.push(sse_event(
+                        "content_block_delta",
+                        json!({"type": "content_block_delta", "index": index,
+                        "delta": {"type": "input_json_delta", "partial_json": call.arguments}}),
+                    ));
+                    out.push(sse_event(
+                        "content_block_stop",
+                        json!({"type": "content_block_stop", "index": index}),
+                    ));
+                }
+            }
+        }
+        out
+    }
+
+    fn close_text(&mut self) -> Vec<Result<Event, Infallible>> {
+        if !self.text_open {
+            return Vec::new();
+        }
+        self.text_open = false;
+        vec![sse_event(
+            "content_block_stop",
+            json!({"type": "content_block_stop", "index": self.count - 1}),
+        )]
+    }
+
+    /// At the end: the open text block closed; a message with no block gets an empty text
+    /// block, as a non-streamed one has.
+    fn close_all(&mut self) -> Vec<Result<Event, Infallible>> {
+        if self.count == 0 {
+            let mut out = self.events(vec![Piece::Text(String::new())]);
+            out.pop();
+            out.extend(self.close_text());
+            return out;
+        }
+        self.close_text()
+    }
 }
 
 #[utoipa::path(post, path = "/v1/messages/count_tokens", tag = "Anthropic",
@@ -391,12 +577,14 @@ pub async fn count_tokens(State(state): State<AppState>, body: Body) -> Result<R
         .registry
         .resolve(&req.model)
         .map_err(|e| e.flavor(FLAVOR))?;
+    let tool_use = ToolUse::anthropic(req.tools.as_deref(), req.tool_choice.as_ref())
+        .map_err(|e| e.flavor(FLAVOR))?;
     let prompt = chat_prompt(
         &state,
         model.kind == ModelKind::Vlm,
         req.system.as_ref(),
         &req.messages,
-        req.tools.as_ref(),
+        tool_use.as_ref(),
     )
     .await?;
     let counted = generation::count_tokens(&model, prompt, FLAVOR).await?;

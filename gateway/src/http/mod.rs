@@ -10,7 +10,9 @@ pub mod images;
 pub mod metrics;
 pub mod openai;
 pub mod openapi;
+pub mod responses;
 pub mod serve;
+pub mod tools;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -51,6 +53,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models", get(openai::models))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
+        .route("/v1/responses", post(responses::create))
         .route("/v1/embeddings", post(embeddings::embeddings))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))

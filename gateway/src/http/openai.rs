@@ -15,6 +15,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use super::error::{ApiError, Flavor};
 use super::generation::{self, Collected, from_value, read_value, response_id, unix_now};
 use super::images::{self, ImageSource};
+use super::tools::{self, CallParser, Piece, ToolUse};
 use super::{AppState, TenantKey};
 use crate::config::ModelKind;
 use axum::Extension;
@@ -76,6 +77,8 @@ pub struct ChatRequest {
     #[serde(default)]
     return_tokens_as_token_ids: bool,
     tools: Option<Vec<Value>>,
+    tool_choice: Option<Value>,
+    parallel_tool_calls: Option<bool>,
     response_format: Option<Value>,
 }
 
@@ -158,6 +161,7 @@ impl Common {
             ignore_eos: self.ignore_eos.unwrap_or(false),
             cache_salt: super::cache_salt(tenant, self.cache_salt.as_deref()),
             prefill_breaks: self.prefill_breaks.clone(),
+            constraint: None,
         })
     }
 }
@@ -300,6 +304,37 @@ fn finish_reason(f: pb::FinishReason) -> &'static str {
     }
 }
 
+/// Chat's finish reason: a complete answer that made calls ends with "tool_calls".
+fn chat_finish_reason(f: pb::FinishReason, made_calls: bool) -> &'static str {
+    match f {
+        pb::FinishReason::Length => "length",
+        _ if made_calls => "tool_calls",
+        _ => "stop",
+    }
+}
+
+/// Stream deltas for parsed pieces: content, or a call as two `tool_calls` fragments (id and
+/// name, then the arguments), numbered from `next`.
+fn tool_deltas(pieces: Vec<Piece>, next: &mut usize) -> Vec<Value> {
+    let mut out = Vec::new();
+    for piece in pieces {
+        match piece {
+            Piece::Text(t) => out.push(json!({"content": t})),
+            Piece::Call(c) => {
+                let index = *next;
+                *next += 1;
+                out.push(
+                    json!({"tool_calls": [{"index": index, "id": tools::call_id("call_"),
+                    "type": "function", "function": {"name": c.name, "arguments": ""}}]}),
+                );
+                out.push(json!({"tool_calls": [{"index": index,
+                    "function": {"arguments": c.arguments}}]}));
+            }
+        }
+    }
+    out
+}
+
 fn usage_json(u: &pb::Usage) -> Value {
     json!({
         "prompt_tokens": u.prompt_tokens,
@@ -387,26 +422,35 @@ pub async fn chat_completions(
     let common: Common = from_value(&value, FLAVOR)?;
     let req: ChatRequest = from_value(&value, FLAVOR)?;
     let model = state.registry.resolve(&common.model)?;
-    if req.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-        return Err(ApiError::invalid(
-            "tools are not supported by this server yet; send the request without tools",
-        )
-        .param("tools"));
-    }
-    if let Some(format) = &req.response_format
-        && format.get("type").and_then(Value::as_str) != Some("text")
-    {
-        return Err(ApiError::invalid(
-            "response_format other than {\"type\": \"text\"} is not supported by this server yet",
-        )
-        .param("response_format"));
-    }
-    let (messages, sources) = normalize_messages(req.messages, model.kind == ModelKind::Vlm)?;
+    let tool_use = ToolUse::openai(
+        req.tools.as_deref(),
+        req.tool_choice.as_ref(),
+        req.parallel_tool_calls,
+    )?;
+    let constraint = match (
+        tools::response_format(req.response_format.as_ref())?,
+        tool_use.as_ref().and_then(ToolUse::constraint),
+    ) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid(
+                "response_format cannot be combined with forced (required, named) or strict tool calls: send one or the other",
+            )
+            .param("response_format"));
+        }
+        (format, calls) => format.or(calls),
+    };
+    let reads_calls = tool_use.as_ref().is_some_and(ToolUse::offered);
+    let (mut messages, sources) = normalize_messages(req.messages, model.kind == ModelKind::Vlm)?;
+    tools::openai_history(&mut messages)?;
     let images = images::load(sources, &state.images, FLAVOR).await?;
     let prompt = pb::Prompt {
         input: Some(pb::prompt::Input::Chat(pb::Chat {
             messages_json: Value::Array(messages).to_string(),
-            tools_json: String::new(),
+            tools_json: tool_use
+                .as_ref()
+                .and_then(ToolUse::template_tools)
+                .map(|t| t.to_string())
+                .unwrap_or_default(),
             add_generation_prompt: true,
             images,
         })),
@@ -421,41 +465,68 @@ pub async fn chat_completions(
         _ => None,
     };
     let as_ids = req.return_tokens_as_token_ids;
-    let worker_req = common.to_worker(prompt, logprobs, tenant.as_deref())?;
+    let mut worker_req = common.to_worker(prompt, logprobs, tenant.as_deref())?;
+    worker_req.constraint = constraint;
     let stream = generation::start(&state, &model, worker_req, FLAVOR).await?;
     let id = response_id("chatcmpl-");
     let created = unix_now();
     let model_name = common.model.clone();
     if common.stream {
         let include_usage = common.stream_options.is_some_and(|o| o.include_usage);
-        return Ok(sse(stream, move |part| match part {
-            Part::Start => vec![json!({
-                "id": id, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}],
-            })],
-            Part::Delta(d) => {
-                let lp = if d.logprobs.is_empty() {
-                    Value::Null
-                } else {
-                    chat_logprobs(&d.logprobs, as_ids)
-                };
-                vec![json!({
+        // With tools offered, the text goes through the call parser: calls come out as
+        // `tool_calls` deltas, the rest as content.
+        let mut parser = reads_calls.then(CallParser::default);
+        let mut calls_sent = 0;
+        return Ok(sse(stream, move |part| {
+            let chunk = |delta: Value, lp: Value, finish: Value| {
+                json!({
                     "id": id, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                    "choices": [{"index": 0, "delta": {"content": d.text}, "logprobs": lp, "finish_reason": null}],
-                })]
-            }
-            Part::Done(done) => {
-                let mut out = vec![json!({
-                    "id": id, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                    "choices": [{"index": 0, "delta": {}, "logprobs": null, "finish_reason": finish_reason(generation::finish(done))}],
-                })];
-                if include_usage {
-                    out.push(json!({
-                        "id": id, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                        "choices": [], "usage": usage_json(&generation::usage(done)),
-                    }));
+                    "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}],
+                })
+            };
+            match part {
+                Part::Start => vec![chunk(
+                    json!({"role": "assistant", "content": ""}),
+                    Value::Null,
+                    Value::Null,
+                )],
+                Part::Delta(d) => {
+                    let mut lp = if d.logprobs.is_empty() {
+                        Value::Null
+                    } else {
+                        chat_logprobs(&d.logprobs, as_ids)
+                    };
+                    let deltas = match parser.as_mut() {
+                        None => vec![json!({"content": d.text})],
+                        Some(p) => tool_deltas(p.push(&d.text), &mut calls_sent),
+                    };
+                    let mut out: Vec<Value> = deltas
+                        .into_iter()
+                        .map(|delta| chunk(delta, std::mem::take(&mut lp), Value::Null))
+                        .collect();
+                    if out.is_empty() && !lp.is_null() {
+                        out.push(chunk(json!({"content": ""}), lp, Value::Null));
+                    }
+                    out
                 }
-                out
+                Part::Done(done) => {
+                    let mut out: Vec<Value> = match parser.as_mut() {
+                        None => Vec::new(),
+                        Some(p) => tool_deltas(p.finish(), &mut calls_sent)
+                            .into_iter()
+                            .map(|delta| chunk(delta, Value::Null, Value::Null))
+                            .collect(),
+                    };
+                    let reason = chat_finish_reason(generation::finish(done), calls_sent > 0);
+                    out.push(chunk(json!({}), Value::Null, json!(reason)));
+                    if include_usage {
+                        out.push(json!({
+                            "id": id, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                            "choices": [], "usage": usage_json(&generation::usage(done)),
+                        }));
+                    }
+                    out
+                }
             }
         }));
     }
@@ -469,6 +540,24 @@ pub async fn chat_completions(
     } else {
         Value::Null
     };
+    let (content, calls) = if reads_calls {
+        tools::split_answer(&text)
+    } else {
+        (text, Vec::new())
+    };
+    let mut message = json!({"role": "assistant", "content": content});
+    if !calls.is_empty() {
+        if content.is_empty() {
+            message["content"] = Value::Null;
+        }
+        message["tool_calls"] = calls
+            .iter()
+            .map(|c| {
+                json!({"id": tools::call_id("call_"), "type": "function",
+                       "function": {"name": c.name, "arguments": c.arguments}})
+            })
+            .collect();
+    }
     Ok(Json(json!({
         "id": id,
         "object": "chat.completion",
@@ -476,9 +565,9 @@ pub async fn chat_completions(
         "model": model_name,
         "choices": [{
             "index": 0,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "logprobs": lp,
-            "finish_reason": finish_reason(generation::finish(&done)),
+            "finish_reason": chat_finish_reason(generation::finish(&done), !calls.is_empty()),
         }],
         "usage": usage_json(&generation::usage(&done)),
     }))

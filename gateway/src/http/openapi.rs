@@ -19,6 +19,7 @@ use super::AppState;
         super::openai::models,
         super::openai::chat_completions,
         super::openai::completions,
+        super::responses::create,
         super::embeddings::embeddings,
         super::anthropic::messages,
         super::anthropic::count_tokens,

@@ -4,6 +4,7 @@ pub mod admission;
 pub mod blas_env;
 pub mod embedder;
 pub mod engine;
+pub mod grammar;
 pub mod grpc;
 pub mod mlx_device;
 pub mod prefix_cache;

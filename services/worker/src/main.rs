@@ -285,6 +285,7 @@ fn main() -> anyhow::Result<()> {
                 ignore_eos: false,
                 prefill_breaks: Vec::new(),
                 images: Vec::new(),
+                grammar: None,
             };
             use std::io::Write;
             let mut stdout = std::io::stdout();
@@ -519,6 +520,36 @@ fn serving(
             },
         ),
     ];
+    // Structured output: the token table for the grammar engine, built once.
+    let grammar = match loaded.stop_tokens.first() {
+        Some(&eos) => {
+            strata_worker::grammar::GrammarEngine::new(tokenizer.library(), config.vocab_size, eos)
+                .map(std::sync::Arc::new)
+                .map_err(|e| e.to_string())
+        }
+        None => Err("the model has no end-of-sequence token to end a constrained answer".into()),
+    };
+    match &grammar {
+        Ok(_) => features.push((
+            "structured_output".into(),
+            format!(
+                "on ({}: JSON schemas and grammars enforced while sampling)",
+                strata_worker::grammar::LLGUIDANCE_VERSION
+            ),
+        )),
+        Err(why) => {
+            tracing::warn!("structured output is OFF for this model: {why}");
+            features.push(("structured_output".into(), format!("OFF: {why}")));
+        }
+    }
+    features.push((
+        "tool_calls".into(),
+        if template.reads_tools {
+            "on (the model's chat template renders the tools; calls are read from its <tool_call> blocks)".into()
+        } else {
+            "on (the chat template has no tools: their definitions and past calls are written into the prompt in the Hermes <tool_call> format)".into()
+        },
+    ));
     if let Some(i) = &images {
         features.push((
             "images".into(),
@@ -540,6 +571,7 @@ fn serving(
         prefix_cache: None,
         images,
         features,
+        grammar,
     }
 }
 

@@ -40,6 +40,9 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     /// True when the model had no template and ChatML stands in.
     pub is_fallback: bool,
+    /// The template renders `tools` itself; otherwise `fold_tools` writes them into the
+    /// messages.
+    pub reads_tools: bool,
     bos_token: String,
     eos_token: String,
 }
@@ -75,6 +78,7 @@ impl ChatTemplate {
         Ok(Self {
             env,
             is_fallback,
+            reads_tools: source.is_some_and(|s| s.contains("tools")),
             bos_token: bos_token.to_string(),
             eos_token: eos_token.to_string(),
         })
@@ -113,6 +117,84 @@ impl ChatTemplate {
             .render(ctx)
             .map_err(|e| TemplateError::Render(format!("{e:#}")))
     }
+}
+
+/// For a template that knows nothing of tools: the conversation with the tools written into
+/// the system message and past calls and results written as text, in the Hermes format
+/// (`<tools>`, `<tool_call>`, `<tool_response>`) that Qwen and many open models are trained
+/// on, and that the gateway reads calls back from.
+pub fn fold_tools(messages: &[ChatMessage], tools: Option<&serde_json::Value>) -> Vec<ChatMessage> {
+    let tools = tools.and_then(|t| t.as_array()).filter(|t| !t.is_empty());
+    let mut listing = String::from(
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n\
+         You are provided with function signatures within <tools></tools> XML tags:\n<tools>",
+    );
+    for tool in tools.into_iter().flatten() {
+        listing.push('\n');
+        python_json(tool, None, false, 0, &mut listing);
+    }
+    listing.push_str(
+        "\n</tools>\n\nFor each function call, return a json object with function name and \
+         arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n\
+         {\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>",
+    );
+    let mut out: Vec<ChatMessage> = Vec::with_capacity(messages.len() + 1);
+    let mut skip = 0;
+    if tools.is_some() {
+        match messages.first() {
+            Some(first) if first.role == "system" => {
+                let text = first.content.as_str().unwrap_or_default();
+                out.push(ChatMessage::text("system", &format!("{text}\n\n{listing}")));
+                skip = 1;
+            }
+            _ => out.push(ChatMessage::text("system", &listing)),
+        }
+    }
+    for m in &messages[skip..] {
+        match m.role.as_str() {
+            "assistant" if m.extra.contains_key("tool_calls") => {
+                let mut text = m.content.as_str().unwrap_or_default().to_string();
+                let calls = m.extra.get("tool_calls").and_then(|c| c.as_array());
+                for call in calls.into_iter().flatten() {
+                    let f = call.get("function").unwrap_or(call);
+                    let body = serde_json::json!({
+                        "name": f.get("name").cloned().unwrap_or_default(),
+                        "arguments": f.get("arguments").cloned().unwrap_or_default(),
+                    });
+                    if !text.is_empty() {
+                        text.push('\n');
+                    }
+                    text.push_str("<tool_call>\n");
+                    python_json(&body, None, false, 0, &mut text);
+                    text.push_str("\n</tool_call>");
+                }
+                out.push(ChatMessage::text("assistant", &text));
+            }
+            "tool" => {
+                let result = format!(
+                    "<tool_response>\n{}\n</tool_response>",
+                    m.content.as_str().unwrap_or_default()
+                );
+                // Results of one turn's calls go together in one user message.
+                match out.last_mut() {
+                    Some(prev)
+                        if prev.role == "user"
+                            && prev
+                                .content
+                                .as_str()
+                                .is_some_and(|t| t.ends_with("</tool_response>")) =>
+                    {
+                        let joined =
+                            format!("{}\n{result}", prev.content.as_str().unwrap_or_default());
+                        prev.content = serde_json::Value::String(joined);
+                    }
+                    _ => out.push(ChatMessage::text("user", &result)),
+                }
+            }
+            _ => out.push(m.clone()),
+        }
+    }
+    out
 }
 
 /// `tojson` as transformers defines it (`json.dumps(x, ensure_ascii=False, indent=...)`), not
@@ -250,6 +332,51 @@ mod tests {
         let t = ChatTemplate::new(Some("{{ raise_exception('no system role') }}"), "", "").unwrap();
         let err = t.render(&[], false, None).unwrap_err();
         assert!(err.to_string().contains("no system role"), "{err}");
+    }
+
+    #[test]
+    fn tools_are_folded_into_a_template_without_them() {
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+        let mut call = ChatMessage::text("assistant", "");
+        call.extra.insert(
+            "tool_calls".into(),
+            serde_json::json!([{"id": "c1", "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]),
+        );
+        let mut result = ChatMessage::text("tool", "18 C");
+        result
+            .extra
+            .insert("tool_call_id".into(), serde_json::json!("c1"));
+        let messages = vec![
+            ChatMessage::text("system", "Be brief."),
+            ChatMessage::text("user", "Weather in Paris?"),
+            call,
+            result,
+        ];
+        let folded = fold_tools(&messages, Some(&tools));
+        let roles: Vec<&str> = folded.iter().map(|m| m.role.as_str()).collect();
+        assert_eq!(roles, ["system", "user", "assistant", "user"]);
+        let system = folded[0].content.as_str().unwrap();
+        assert!(system.starts_with("Be brief.\n\n# Tools"), "{system}");
+        assert!(system.contains(r#"{"type": "function", "function": {"name": "get_weather""#));
+        assert_eq!(
+            folded[2].content,
+            "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"
+        );
+        assert_eq!(folded[3].content, "<tool_response>\n18 C\n</tool_response>");
+        // Without tools offered, past calls and results are still written out.
+        let folded = fold_tools(&messages, None);
+        assert_eq!(folded.len(), 4);
+        assert_eq!(folded[0].content, "Be brief.");
+        assert!(
+            folded[2]
+                .content
+                .as_str()
+                .unwrap()
+                .starts_with("<tool_call>")
+        );
+        assert!(!ChatTemplate::new(None, "", "").unwrap().reads_tools);
     }
 
     #[test]

@@ -191,6 +191,11 @@ impl Tokenizer {
         self.inner.decode(ids, skip_special).map_err(lib_err)
     }
 
+    /// The `tokenizers` library's tokenizer (for the grammar engine's token table).
+    pub fn library(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }

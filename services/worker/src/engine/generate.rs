@@ -32,6 +32,8 @@ pub struct GenerateRequest {
     pub prefill_breaks: Vec<usize>,
     /// Images whose features fill the prompt's image positions, in order (VLMs).
     pub images: Vec<PromptImage>,
+    /// Structured output: only tokens this grammar allows are sampled.
+    pub grammar: Option<crate::grammar::Guide>,
 }
 
 impl GenerateRequest {
@@ -45,6 +47,7 @@ impl GenerateRequest {
             ignore_eos: false,
             prefill_breaks: Vec::new(),
             images: Vec::new(),
+            grammar: None,
         }
     }
 }

@@ -135,6 +135,16 @@ impl Sampler {
 
     /// Picks the next token from one row of logits and records it.
     pub fn sample(&mut self, logits: &[f32]) -> Sampled {
+        self.sample_allowed(logits, None)
+    }
+
+    /// As `sample`, among the tokens `allowed` lets through (structured output); the
+    /// log-probabilities reported are still the model's own.
+    pub fn sample_allowed(
+        &mut self,
+        logits: &[f32],
+        allowed: Option<&dyn Fn(usize) -> bool>,
+    ) -> Sampled {
         let p = &self.params;
         let (logprob_of, top) = match p.logprobs {
             Some(n) => {
@@ -150,6 +160,13 @@ impl Sampler {
 
         let mut scores = logits.to_vec();
         self.apply_penalties(&mut scores);
+        if let Some(allowed) = allowed {
+            for (i, s) in scores.iter_mut().enumerate() {
+                if !allowed(i) {
+                    *s = f32::NEG_INFINITY;
+                }
+            }
+        }
         let token = if p.is_greedy() {
             argmax(&scores)
         } else {
@@ -226,13 +243,19 @@ impl Sampler {
         let total: f64 = probs.iter().sum();
         let u = (self.rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * total;
         let mut acc = 0.0;
+        let mut last_possible = 0;
         for (i, x) in probs.iter().enumerate() {
             acc += x;
             if u < acc {
                 return candidates[i];
             }
+            if *x > 0.0 {
+                last_possible = i;
+            }
         }
-        candidates[candidates.len() - 1]
+        // Rounding left `u` past the sum: the last token that could be drawn (never one a
+        // mask ruled out, whose probability is 0).
+        candidates[last_possible]
     }
 }
 
@@ -373,6 +396,25 @@ mod tests {
             vec![1, 3, 2]
         );
         assert_eq!(out.logprob, Some(out.top[0].1));
+    }
+
+    #[test]
+    fn a_mask_limits_greedy_and_sampled_choices() {
+        let only_even = |i: usize| i % 2 == 0;
+        let mut s = Sampler::new(SamplingParams::default(), &[]);
+        // Tokens 1 and 3 lead, but only even ones are allowed: 2 (2.0) wins.
+        assert_eq!(s.sample_allowed(&logits(), Some(&only_even)).token, 2);
+        let mut s = Sampler::new(
+            SamplingParams {
+                temperature: 1.0,
+                seed: Some(3),
+                ..Default::default()
+            },
+            &[],
+        );
+        for _ in 0..50 {
+            assert_eq!(s.sample_allowed(&logits(), Some(&only_even)).token % 2, 0);
+        }
     }
 
     #[test]

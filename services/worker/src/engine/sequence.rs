@@ -326,11 +326,22 @@ impl Sequence {
         emit: &mut dyn FnMut(&TokenEvent) -> bool,
     ) -> Result<()> {
         self.has_pending = false;
-        let sampled = self.sampler.sample(logits);
+        let sampled = match self.req.grammar.as_mut() {
+            None => self.sampler.sample(logits),
+            Some(guide) => {
+                let mask = guide.allowed().map_err(grammar_failed)?;
+                self.sampler
+                    .sample_allowed(logits, Some(&|i: usize| mask.is_allowed(i as u32)))
+            }
+        };
         let token = sampled.token;
         self.ttft.get_or_insert_with(|| self.started.elapsed());
+        // A grammar allows the end token only where it is complete; then it ends the answer
+        // even when the request ignores EOS.
+        let grammar_complete = self.req.grammar.is_some() && model.stop_tokens.contains(&token);
         let is_stop_token = (!self.req.ignore_eos && model.stop_tokens.contains(&token))
-            || self.req.stop_token_ids.contains(&token);
+            || self.req.stop_token_ids.contains(&token)
+            || grammar_complete;
         if is_stop_token {
             let tail = self
                 .stops
@@ -347,6 +358,10 @@ impl Sequence {
             self.finish = Some(FinishReason::Stop);
             return Ok(());
         }
+        if let Some(guide) = self.req.grammar.as_mut() {
+            guide.accept(token).map_err(grammar_failed)?;
+        }
+        let grammar_done = self.req.grammar.as_ref().is_some_and(|g| g.is_done());
         self.tokens.push(token);
         if self.req.sampling.logprobs.is_some() {
             self.logprobs.push(sampled.clone());
@@ -356,8 +371,10 @@ impl Sequence {
             .push(&model.tokenizer, token)?
             .unwrap_or_default();
         let (mut out, hit_stop) = self.stops.push(&delta);
-        let last = !hit_stop && self.tokens.len() >= self.req.max_tokens;
-        if last {
+        let at_limit = !hit_stop && self.tokens.len() >= self.req.max_tokens;
+        // A complete grammar ends the answer (its text whole, unlike a stop string's).
+        let complete = !hit_stop && grammar_done;
+        if at_limit || complete {
             // The last token's event also carries whatever was held back, so every token
             // is streamed exactly once.
             let tail = self.decoder.flush(&model.tokenizer)?.unwrap_or_default();
@@ -369,9 +386,9 @@ impl Sequence {
             text: out,
             sampled,
         });
-        if hit_stop {
+        if hit_stop || complete {
             self.finish = Some(FinishReason::Stop);
-        } else if last {
+        } else if at_limit {
             self.finish = Some(FinishReason::Length);
         } else if !go_on {
             self.finish = Some(FinishReason::Cancelled);
@@ -403,6 +420,10 @@ impl Sequence {
             cached_tokens: self.cached_tokens,
         })
     }
+}
+
+fn grammar_failed(e: crate::grammar::GrammarError) -> EngineError {
+    EngineError::Config(e.to_string())
 }
 
 /// One decode step for every sequence in `batch` that has a token to feed, in one forward

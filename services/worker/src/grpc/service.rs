@@ -18,6 +18,7 @@ use crate::engine::EngineError;
 use crate::engine::generate::{FinishReason, GenerateRequest};
 use crate::engine::multimodal::{ImageInput, PromptImage, cache_tokens};
 use crate::engine::sample::{Sampled, SamplingParams};
+use crate::grammar::{Constraint, GrammarEngine};
 use crate::prefix_cache::PrefixCache;
 use crate::scheduler::{JobEvent, Scheduler, SubmitError};
 use crate::template::{ChatMessage, ChatTemplate};
@@ -48,6 +49,8 @@ pub struct Serving {
     pub features: Vec<(String, String)>,
     /// Vision-language models: how images enter prompts.
     pub images: Option<ImageInput>,
+    /// Structured output's grammar engine, or why this model has none.
+    pub grammar: Result<Arc<GrammarEngine>, String>,
 }
 
 /// An embedding model as the handlers see it.
@@ -153,6 +156,17 @@ impl Serving {
                             .map_err(|e| Status::invalid_argument(format!("tools: {e}")))?,
                     )
                 };
+                // A template without tools gets them, and past calls and results, written
+                // into the messages.
+                let has_tool_turns = messages.iter().any(|m| {
+                    m.role == "tool" || m.extra.get("tool_calls").is_some_and(|c| !c.is_null())
+                });
+                let (messages, tools) =
+                    if !self.template.reads_tools && (tools.is_some() || has_tool_turns) {
+                        (crate::template::fold_tools(&messages, tools.as_ref()), None)
+                    } else {
+                        (messages, tools)
+                    };
                 let text = self
                     .template
                     .render(&messages, chat.add_generation_prompt, tools.as_ref())
@@ -197,6 +211,30 @@ impl Serving {
                 .map_err(|e| Status::invalid_argument(engine_message(e))),
             None => Ok(t.ids.clone()),
         }
+    }
+
+    /// A request's constraint, compiled off the async threads (a large schema takes a while).
+    async fn compile_constraint(
+        &self,
+        kind: pb::constraint::Kind,
+    ) -> Result<crate::grammar::Guide, Status> {
+        let engine = self.grammar.clone().map_err(|why| {
+            Status::failed_precondition(format!(
+                "structured output (response_format, forced tool calls) is not available for model {}: {why}",
+                self.model_id
+            ))
+        })?;
+        let constraint = match kind {
+            pb::constraint::Kind::JsonSchema(text) => Constraint::JsonSchema(
+                serde_json::from_str(&text)
+                    .map_err(|e| Status::invalid_argument(format!("json schema: {e}")))?,
+            ),
+            pb::constraint::Kind::Lark(text) => Constraint::Lark(text),
+        };
+        tokio::task::spawn_blocking(move || engine.compile(&constraint))
+            .await
+            .map_err(internal)?
+            .map_err(|e| Status::invalid_argument(e.to_string()))
     }
 
     fn token_text(&self, id: u32) -> String {
@@ -371,7 +409,12 @@ impl Worker for WorkerService {
             0 => serving.context_length.saturating_sub(prompt_tokens),
             n => n as usize,
         };
+        let grammar = match req.constraint.and_then(|c| c.kind) {
+            None => None,
+            Some(kind) => Some(serving.compile_constraint(kind).await?),
+        };
         let request = GenerateRequest {
+            grammar,
             prompt: ids,
             max_tokens,
             sampling: sampling(req.sampling),
