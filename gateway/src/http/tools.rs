@@ -491,15 +491,18 @@ impl CallParser {
         out
     }
 
+    /// Text goes out at once, except its trailing whitespace, held until what follows is
+    /// known: more text (then it goes out) or a call (then it is dropped). However the
+    /// answer is cut into chunks, the result is the same.
     fn text(&mut self, text: String, out: &mut Vec<Piece>) {
-        if text.is_empty() {
-            return;
-        }
-        if text.trim().is_empty() {
+        let body_len = text.trim_end().len();
+        if body_len == 0 {
             self.held_space.push_str(&text);
             return;
         }
-        let text = std::mem::take(&mut self.held_space) + &text;
+        let tail = text[body_len..].to_string();
+        let text = std::mem::take(&mut self.held_space) + &text[..body_len];
+        self.held_space = tail;
         match out.last_mut() {
             Some(Piece::Text(prev)) => prev.push_str(&text),
             _ => out.push(Piece::Text(text)),
@@ -659,7 +662,7 @@ mod tests {
                     Piece::Call(_) => None,
                 })
                 .collect();
-            assert_eq!(text, "Let me look.\n", "chunks of {size}");
+            assert_eq!(text, "Let me look.", "chunks of {size}");
             let calls: Vec<&ToolCall> = pieces
                 .iter()
                 .filter_map(|p| match p {
