@@ -11,7 +11,8 @@ import jsonschema
 import openai
 import pytest
 
-from test_api import MODEL, raw_post, running_cluster
+# The SDK client fixtures of test_api, bound to this module's cluster.
+from test_api import MODEL, claude, oai, raw_post, running_cluster  # noqa: F401
 
 WEATHER_SCHEMA = {
     "type": "object",
@@ -47,16 +48,6 @@ ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 def cluster(bin_dir, default_model, tmp_path_factory):
     with running_cluster(bin_dir, default_model, tmp_path_factory.mktemp("tools")) as c:
         yield c
-
-
-@pytest.fixture
-def oai(cluster):
-    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture
-def claude(cluster):
-    return anthropic.Anthropic(base_url=cluster.url, api_key="unused", max_retries=0)
 
 
 def check_call(name, arguments):

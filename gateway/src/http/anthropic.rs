@@ -329,17 +329,7 @@ pub async fn messages(
         request_id: String::new(),
         prompt: Some(prompt),
         max_tokens: req.max_tokens,
-        sampling: Some(pb::Sampling {
-            temperature: req.temperature.unwrap_or(1.0),
-            top_p: req.top_p.unwrap_or(1.0),
-            top_k: req.top_k.unwrap_or(0),
-            min_p: 0.0,
-            repetition_penalty: 1.0,
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            seed: None,
-            logprobs: None,
-        }),
+        sampling: Some(generation::sampling(req.temperature, req.top_p, req.top_k)),
         stop,
         stop_token_ids: Vec::new(),
         ignore_eos: false,
@@ -407,7 +397,7 @@ fn stream_events(
             ),
             sse_event("ping", json!({"type": "ping"})),
         ];
-        if send_all(&tx, start).await.is_err() {
+        if generation::send_all(&tx, start).await.is_err() {
             return;
         }
         loop {
@@ -438,7 +428,7 @@ fn stream_events(
                             "usage": usage_json(&u)}),
                         ));
                         events.push(sse_event("message_stop", json!({"type": "message_stop"})));
-                        let _ = send_all(&tx, events).await;
+                        let _ = generation::send_all(&tx, events).await;
                         return;
                     }
                     _ => Vec::new(),
@@ -459,7 +449,7 @@ fn stream_events(
                     return;
                 }
             };
-            if send_all(&tx, events).await.is_err() {
+            if generation::send_all(&tx, events).await.is_err() {
                 return;
             }
         }
@@ -471,16 +461,6 @@ fn stream_events(
 
 fn sse_event(name: &str, data: Value) -> Result<Event, Infallible> {
     Ok(Event::default().event(name).data(data.to_string()))
-}
-
-async fn send_all(
-    tx: &tokio::sync::mpsc::Sender<Result<Event, Infallible>>,
-    events: Vec<Result<Event, Infallible>>,
-) -> Result<(), ()> {
-    for e in events {
-        tx.send(e).await.map_err(|_| ())?;
-    }
-    Ok(())
 }
 
 /// The content blocks of a streamed message: a text block stays open while text comes; a

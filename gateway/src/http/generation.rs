@@ -131,6 +131,36 @@ pub async fn start(
     }
 }
 
+/// Sampling as the APIs without penalties or seeds ask for it (Anthropic, Responses): their
+/// defaults are temperature 1 and no top-p or top-k cut.
+pub fn sampling(temperature: Option<f32>, top_p: Option<f32>, top_k: Option<u32>) -> pb::Sampling {
+    pb::Sampling {
+        temperature: temperature.unwrap_or(1.0),
+        top_p: top_p.unwrap_or(1.0),
+        top_k: top_k.unwrap_or(0),
+        min_p: 0.0,
+        repetition_penalty: 1.0,
+        presence_penalty: 0.0,
+        frequency_penalty: 0.0,
+        seed: None,
+        logprobs: None,
+    }
+}
+
+/// An SSE event as the streaming endpoints queue it.
+pub type SseEvent = Result<axum::response::sse::Event, std::convert::Infallible>;
+
+/// Queues `events` in order; Err when the client has gone.
+pub async fn send_all(
+    tx: &tokio::sync::mpsc::Sender<SseEvent>,
+    events: Vec<SseEvent>,
+) -> Result<(), ()> {
+    for e in events {
+        tx.send(e).await.map_err(|_| ())?;
+    }
+    Ok(())
+}
+
 /// A worker's event stream, metered on the way through (TTFT, inter-token latency, usage).
 pub struct GenerationStream {
     inner: Streaming<pb::GenerateEvent>,

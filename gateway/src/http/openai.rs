@@ -427,18 +427,11 @@ pub async fn chat_completions(
         req.tool_choice.as_ref(),
         req.parallel_tool_calls,
     )?;
-    let constraint = match (
+    let constraint = tools::constraint(
         tools::response_format(req.response_format.as_ref())?,
-        tool_use.as_ref().and_then(ToolUse::constraint),
-    ) {
-        (Some(_), Some(_)) => {
-            return Err(ApiError::invalid(
-                "response_format cannot be combined with forced (required, named) or strict tool calls: send one or the other",
-            )
-            .param("response_format"));
-        }
-        (format, calls) => format.or(calls),
-    };
+        tool_use.as_ref(),
+        "response_format",
+    )?;
     let reads_calls = tool_use.as_ref().is_some_and(ToolUse::offered);
     let (mut messages, sources) = normalize_messages(req.messages, model.kind == ModelKind::Vlm)?;
     tools::openai_history(&mut messages)?;

@@ -17,7 +17,7 @@ use strata_proto::worker::{self as pb, generate_event};
 use tokio_stream::wrappers::ReceiverStream;
 
 use super::error::{ApiError, ErrorKind, Flavor, from_worker_status};
-use super::generation::{self, Collected, read_json, response_id, unix_now};
+use super::generation::{self, Collected, SseEvent, read_json, response_id, unix_now};
 use super::openai::normalize_messages;
 use super::tools::{self, CallParser, Piece, ToolCall, ToolUse};
 use super::{AppState, TenantKey};
@@ -208,18 +208,11 @@ pub async fn create(
         Some("json_schema") => json!({"type": "json_schema", "json_schema": f}),
         _ => f.clone(),
     });
-    let constraint = match (
+    let constraint = tools::constraint(
         tools::response_format(format.as_ref())?,
-        tool_use.as_ref().and_then(ToolUse::constraint),
-    ) {
-        (Some(_), Some(_)) => {
-            return Err(ApiError::invalid(
-                "text.format cannot be combined with forced (required, named) or strict tool calls",
-            )
-            .param("text.format"));
-        }
-        (format, calls) => format.or(calls),
-    };
+        tool_use.as_ref(),
+        "text.format",
+    )?;
     let reads_calls = tool_use.as_ref().is_some_and(ToolUse::offered);
     let messages = input_messages(req.instructions.as_deref(), &req.input)?;
     let (mut messages, sources) =
@@ -241,17 +234,7 @@ pub async fn create(
             })),
         }),
         max_tokens: req.max_output_tokens.unwrap_or(0),
-        sampling: Some(pb::Sampling {
-            temperature: req.temperature.unwrap_or(1.0),
-            top_p: req.top_p.unwrap_or(1.0),
-            top_k: 0,
-            min_p: 0.0,
-            repetition_penalty: 1.0,
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            seed: None,
-            logprobs: None,
-        }),
+        sampling: Some(generation::sampling(req.temperature, req.top_p, None)),
         stop: Vec::new(),
         stop_token_ids: Vec::new(),
         ignore_eos: false,
@@ -412,7 +395,7 @@ fn stream_events(
             event("response.created", json!({"response": created})),
             event("response.in_progress", json!({"response": created})),
         ];
-        if send_all(&tx, start).await.is_err() {
+        if generation::send_all(&tx, start).await.is_err() {
             return;
         }
         let mut parser = reads_calls.then(CallParser::default);
@@ -500,10 +483,10 @@ fn stream_events(
                     "response.completed"
                 };
                 out.push(event(kind, json!({"response": response})));
-                let _ = send_all(&tx, out).await;
+                let _ = generation::send_all(&tx, out).await;
                 return;
             }
-            if send_all(&tx, out).await.is_err() {
+            if generation::send_all(&tx, out).await.is_err() {
                 return;
             }
         }
@@ -512,8 +495,6 @@ fn stream_events(
         .keep_alive(KeepAlive::default())
         .into_response()
 }
-
-type SseEvent = Result<Event, Infallible>;
 
 /// Ends the message item being written, if any: its text, part and item done events.
 fn close_message(
@@ -541,14 +522,4 @@ fn close_message(
         json!({"output_index": index, "item": item}),
     ));
     items.push(item);
-}
-
-async fn send_all(
-    tx: &tokio::sync::mpsc::Sender<Result<Event, Infallible>>,
-    events: Vec<Result<Event, Infallible>>,
-) -> Result<(), ()> {
-    for e in events {
-        tx.send(e).await.map_err(|_| ())?;
-    }
-    Ok(())
 }

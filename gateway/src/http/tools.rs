@@ -337,6 +337,22 @@ impl ToolUse {
     }
 }
 
+/// The one constraint of a request: its output format or its tool calls (a JSON answer that
+/// must also be a call cannot be both); `format_param` names the format's field.
+pub fn constraint(
+    format: Option<pb::Constraint>,
+    tool_use: Option<&ToolUse>,
+    format_param: &str,
+) -> Result<Option<pb::Constraint>, ApiError> {
+    match (format, tool_use.and_then(ToolUse::constraint)) {
+        (Some(_), Some(_)) => Err(ApiError::invalid(format!(
+            "{format_param} cannot be combined with forced (required, named) or strict tool calls: send one or the other"
+        ))
+        .param(format_param)),
+        (format, calls) => Ok(format.or(calls)),
+    }
+}
+
 /// The JSON of one call, as the Hermes format writes it: `{"name": ..., "arguments": {...}}`.
 fn call_schema(tool: &Tool) -> Value {
     json!({
