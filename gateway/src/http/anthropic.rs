@@ -315,7 +315,7 @@ pub async fn messages(
     }
     let tool_use = ToolUse::anthropic(req.tools.as_deref(), req.tool_choice.as_ref())
         .map_err(|e| e.flavor(FLAVOR))?;
-    let reads_calls = tool_use.as_ref().is_some_and(ToolUse::offered);
+    let parser = tool_use.as_ref().and_then(ToolUse::parser);
     let prompt = chat_prompt(
         &state,
         model.kind == ModelKind::Vlm,
@@ -340,13 +340,12 @@ pub async fn messages(
     let stream = generation::start(&state, &model, worker_req, FLAVOR).await?;
     let id = response_id("msg_");
     if req.stream {
-        return Ok(stream_events(stream, id, req.model, reads_calls));
+        return Ok(stream_events(stream, id, req.model, parser));
     }
     let Collected { text, done, .. } = generation::collect(stream, FLAVOR).await?;
-    let (text, calls) = if reads_calls {
-        tools::split_answer(&text)
-    } else {
-        (text, Vec::new())
+    let (text, calls) = match parser {
+        Some(p) => p.split(&text),
+        None => (text, Vec::new()),
     };
     let mut content = Vec::new();
     if !text.is_empty() || calls.is_empty() {
@@ -373,7 +372,7 @@ fn stream_events(
     mut stream: generation::GenerationStream,
     id: String,
     model: String,
-    reads_calls: bool,
+    mut parser: Option<CallParser>,
 ) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(32);
     tokio::spawn(async move {
@@ -385,7 +384,6 @@ fn stream_events(
             _ => 0,
         };
         let mut blocks = Blocks::default();
-        let mut parser = reads_calls.then(CallParser::default);
         let start = vec![
             sse_event(
                 "message_start",

@@ -15,7 +15,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use super::error::{ApiError, Flavor};
 use super::generation::{self, Collected, from_value, read_value, response_id, unix_now};
 use super::images::{self, ImageSource};
-use super::tools::{self, CallParser, Piece, ToolUse};
+use super::tools::{self, Piece, ToolUse};
 use super::{AppState, TenantKey};
 use crate::config::ModelKind;
 use axum::Extension;
@@ -432,7 +432,7 @@ pub async fn chat_completions(
         tool_use.as_ref(),
         "response_format",
     )?;
-    let reads_calls = tool_use.as_ref().is_some_and(ToolUse::offered);
+    let parser = tool_use.as_ref().and_then(ToolUse::parser);
     let (mut messages, sources) = normalize_messages(req.messages, model.kind == ModelKind::Vlm)?;
     tools::openai_history(&mut messages)?;
     let images = images::load(sources, &state.images, FLAVOR).await?;
@@ -468,7 +468,7 @@ pub async fn chat_completions(
         let include_usage = common.stream_options.is_some_and(|o| o.include_usage);
         // With tools offered, the text goes through the call parser: calls come out as
         // `tool_calls` deltas, the rest as content.
-        let mut parser = reads_calls.then(CallParser::default);
+        let mut parser = parser;
         let mut calls_sent = 0;
         return Ok(sse(stream, move |part| {
             let chunk = |delta: Value, lp: Value, finish: Value| {
@@ -533,10 +533,9 @@ pub async fn chat_completions(
     } else {
         Value::Null
     };
-    let (content, calls) = if reads_calls {
-        tools::split_answer(&text)
-    } else {
-        (text, Vec::new())
+    let (content, calls) = match parser {
+        Some(p) => p.split(&text),
+        None => (text, Vec::new()),
     };
     let mut message = json!({"role": "assistant", "content": content});
     if !calls.is_empty() {

@@ -213,7 +213,7 @@ pub async fn create(
         tool_use.as_ref(),
         "text.format",
     )?;
-    let reads_calls = tool_use.as_ref().is_some_and(ToolUse::offered);
+    let parser = tool_use.as_ref().and_then(ToolUse::parser);
     let messages = input_messages(req.instructions.as_deref(), &req.input)?;
     let (mut messages, sources) =
         normalize_messages(messages, model.kind == crate::config::ModelKind::Vlm)?;
@@ -259,16 +259,12 @@ pub async fn create(
         }),
     };
     if req.stream {
-        return Ok(stream_events(stream, shell, reads_calls));
+        return Ok(stream_events(stream, shell, parser));
     }
     let Collected { text, done, .. } = generation::collect(stream, FLAVOR).await?;
-    let pieces = if reads_calls {
-        let mut p = CallParser::default();
-        let mut pieces = p.push(&text);
-        pieces.extend(p.finish());
-        pieces
-    } else {
-        vec![Piece::Text(text)]
+    let pieces = match parser {
+        Some(p) => p.pieces(&text),
+        None => vec![Piece::Text(text)],
     };
     let mut output = Output::default();
     for piece in pieces {
@@ -379,7 +375,7 @@ impl Output {
 fn stream_events(
     mut stream: generation::GenerationStream,
     shell: Shell,
-    reads_calls: bool,
+    mut parser: Option<CallParser>,
 ) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(32);
     tokio::spawn(async move {
@@ -398,7 +394,6 @@ fn stream_events(
         if generation::send_all(&tx, start).await.is_err() {
             return;
         }
-        let mut parser = reads_calls.then(CallParser::default);
         let mut items: Vec<Value> = Vec::new();
         // The message item being written: its id and text.
         let mut open: Option<(String, String)> = None;

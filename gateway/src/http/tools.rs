@@ -12,8 +12,11 @@ use super::error::ApiError;
 /// At most this many calls in one answer when parallel calls are allowed (a bound, so that a
 /// model that keeps calling cannot run to max_tokens on calls alone).
 const MAX_PARALLEL_CALLS: usize = 8;
-const OPEN: &str = "<tool_call>";
-const CLOSE: &str = "</tool_call>";
+/// The call markups read: the Hermes tags, and a fenced JSON block, which Qwen2.5-Coder
+/// writes instead of the tags its template asks for (read as a call only when it names a tool
+/// of the request; anything else in such a fence stays text).
+const MARKERS: [(&str, &str); 2] = [("<tool_call>", "</tool_call>"), ("```json", "```")];
+const FENCED: usize = 1;
 
 /// One function the model may call.
 #[derive(Debug, Clone, PartialEq)]
@@ -277,6 +280,15 @@ impl ToolUse {
         self.choice != ToolChoice::None
     }
 
+    /// The parser that reads this request's calls out of the answer; None when tools are not
+    /// offered (the answer is text as written).
+    pub fn parser(&self) -> Option<CallParser> {
+        self.offered().then(|| CallParser {
+            names: self.tools.iter().map(|t| t.name.clone()).collect(),
+            ..CallParser::default()
+        })
+    }
+
     /// The tools as chat templates expect them (OpenAI's shape). They stay in the prompt even
     /// with `none` (as OpenAI keeps them in context): an agent's turns then share their prefix,
     /// and its cached blocks.
@@ -436,15 +448,18 @@ pub enum Piece {
     Call(ToolCall),
 }
 
-/// Reads `<tool_call>{json}</tool_call>` blocks out of the answer as it streams. Text that
-/// might be the start of a block is held back until it is known not to be, so the markup
-/// never reaches the content. A block whose JSON is not a call stays text; whitespace between
-/// calls is dropped.
+/// Reads `<tool_call>{json}</tool_call>` blocks (and fenced JSON calls, see `MARKERS`) out of
+/// the answer as it streams. Text that might be the start of a block is held back until it is
+/// known not to be, so the markup never reaches the content. A block whose JSON is not a call
+/// stays text; whitespace between calls is dropped.
 #[derive(Debug, Default)]
 pub struct CallParser {
     buf: String,
-    inside: bool,
+    /// The marker of the block being read.
+    inside: Option<usize>,
     calls: usize,
+    /// The request's tool names (fenced blocks must name one); empty: tags only.
+    names: Vec<String>,
     /// Whitespace-only text, kept until it is known to sit between text (kept) or around
     /// calls (dropped).
     held_space: String,
@@ -455,32 +470,56 @@ impl CallParser {
         self.calls
     }
 
+    /// The markers this parser reads.
+    fn markers(&self) -> &'static [(&'static str, &'static str)] {
+        if self.names.is_empty() {
+            &MARKERS[..FENCED]
+        } else {
+            &MARKERS
+        }
+    }
+
     pub fn push(&mut self, text: &str) -> Vec<Piece> {
         self.buf.push_str(text);
         let mut out = Vec::new();
         loop {
-            if self.inside {
-                let Some(end) = self.buf.find(CLOSE) else {
+            if let Some(m) = self.inside {
+                let (open, close) = MARKERS[m];
+                let Some(end) = self.buf.find(close) else {
                     break;
                 };
                 let body: String = self.buf.drain(..end).collect();
-                self.buf.drain(..CLOSE.len());
-                self.inside = false;
-                match parse_call(&body) {
+                self.buf.drain(..close.len());
+                self.inside = None;
+                let names = (m == FENCED).then_some(self.names.as_slice());
+                match parse_call(&body, names) {
                     Some(call) => {
                         self.calls += 1;
                         self.held_space.clear();
                         out.push(Piece::Call(call));
                     }
-                    None => self.text(format!("{OPEN}{body}{CLOSE}"), &mut out),
+                    None => self.text(format!("{open}{body}{close}"), &mut out),
                 }
-            } else if let Some(start) = self.buf.find(OPEN) {
+                continue;
+            }
+            let first = self
+                .markers()
+                .iter()
+                .enumerate()
+                .filter_map(|(m, (open, _))| self.buf.find(open).map(|at| (at, m)))
+                .min();
+            if let Some((start, m)) = first {
                 let before: String = self.buf.drain(..start).collect();
-                self.buf.drain(..OPEN.len());
-                self.inside = true;
+                self.buf.drain(..MARKERS[m].0.len());
+                self.inside = Some(m);
                 self.text(before, &mut out);
             } else {
-                let keep = held_prefix(&self.buf, OPEN);
+                let keep = self
+                    .markers()
+                    .iter()
+                    .map(|(open, _)| held_prefix(&self.buf, open))
+                    .max()
+                    .unwrap_or(0);
                 let ready: String = self.buf.drain(..self.buf.len() - keep).collect();
                 self.text(ready, &mut out);
                 break;
@@ -494,11 +533,9 @@ impl CallParser {
     pub fn finish(&mut self) -> Vec<Piece> {
         let mut out = Vec::new();
         let rest = std::mem::take(&mut self.buf);
-        let rest = if self.inside {
-            self.inside = false;
-            format!("{OPEN}{rest}")
-        } else {
-            rest
+        let rest = match self.inside.take() {
+            Some(m) => format!("{}{rest}", MARKERS[m].0),
+            None => rest,
         };
         self.text(rest, &mut out);
         if self.calls == 0 && !self.held_space.is_empty() {
@@ -534,11 +571,15 @@ fn held_prefix(buf: &str, marker: &str) -> usize {
         .unwrap_or(0)
 }
 
-fn parse_call(body: &str) -> Option<ToolCall> {
+/// A block's JSON as a call; with `names`, only a call to one of them.
+fn parse_call(body: &str, names: Option<&[String]>) -> Option<ToolCall> {
     let Value::Object(mut call) = serde_json::from_str::<Value>(body.trim()).ok()? else {
         return None;
     };
     let name = call.get("name")?.as_str()?.to_string();
+    if names.is_some_and(|names| !names.contains(&name)) {
+        return None;
+    }
     let arguments = match call
         .remove("arguments")
         .or_else(|| call.remove("parameters"))
@@ -557,11 +598,21 @@ fn parse_call(body: &str) -> Option<ToolCall> {
     })
 }
 
-/// The text and calls of a whole answer.
-pub fn split_answer(text: &str) -> (String, Vec<ToolCall>) {
-    let mut parser = CallParser::default();
-    let mut pieces = parser.push(text);
-    pieces.extend(parser.finish());
+impl CallParser {
+    /// The pieces of a whole answer.
+    pub fn pieces(mut self, text: &str) -> Vec<Piece> {
+        let mut pieces = self.push(text);
+        pieces.extend(self.finish());
+        pieces
+    }
+
+    /// The text and calls of a whole answer.
+    pub fn split(self, text: &str) -> (String, Vec<ToolCall>) {
+        split_pieces(self.pieces(text))
+    }
+}
+
+fn split_pieces(pieces: Vec<Piece>) -> (String, Vec<ToolCall>) {
     let mut content = String::new();
     let mut calls = Vec::new();
     for p in pieces {
@@ -695,16 +746,45 @@ mod tests {
     #[test]
     fn text_that_only_looks_like_a_call_is_kept() {
         assert_eq!(
-            split_answer("a <tool b"),
+            CallParser::default().split("a <tool b"),
             ("a <tool b".to_string(), Vec::new())
         );
-        let (text, calls) = split_answer("<tool_call>not json</tool_call>");
+        let (text, calls) = CallParser::default().split("<tool_call>not json</tool_call>");
         assert_eq!(text, "<tool_call>not json</tool_call>");
         assert!(calls.is_empty());
         // Cut by max_tokens inside a block: the text as it is.
-        let (text, calls) = split_answer("<tool_call>\n{\"name\": \"f\", \"argu");
+        let (text, calls) = CallParser::default().split("<tool_call>\n{\"name\": \"f\", \"argu");
         assert_eq!(text, "<tool_call>\n{\"name\": \"f\", \"argu");
         assert!(calls.is_empty());
+    }
+
+    #[test]
+    fn fenced_json_is_a_call_only_when_it_names_a_requested_tool() {
+        let tools = [weather()];
+        let parser = || {
+            ToolUse::openai(Some(&tools[..]), None, None)
+                .unwrap()
+                .unwrap()
+                .parser()
+                .unwrap()
+        };
+        let answer = "```json\n{\n  \"name\": \"get_weather\",\n  \"arguments\": {\"city\": \"Paris\"}\n}\n```";
+        let (text, calls) = parser().split(answer);
+        assert_eq!((text.as_str(), calls.len()), ("", 1));
+        assert_eq!(calls[0].arguments, r#"{"city":"Paris"}"#);
+        // Streamed a character at a time: the same.
+        let mut p = parser();
+        let mut pieces: Vec<Piece> = answer
+            .chars()
+            .flat_map(|c| p.push(&c.to_string()))
+            .collect();
+        pieces.extend(p.finish());
+        assert_eq!(split_pieces(pieces), (String::new(), calls));
+        // Other JSON in a fence is text, whole.
+        let other = "Here:\n```json\n{\"name\": \"x\", \"arguments\": {}}\n```";
+        assert_eq!(parser().split(other), (other.to_string(), Vec::new()));
+        // Without a request's tools (tags only) a fence is plain text.
+        assert_eq!(CallParser::default().split(answer).1, Vec::new());
     }
 
     #[test]
