@@ -218,8 +218,9 @@ impl Serving {
         &self,
         kind: pb::constraint::Kind,
     ) -> Result<crate::grammar::Guide, Status> {
+        // A 400 for the request (this model cannot honour it), never a silent free answer.
         let engine = self.grammar.clone().map_err(|why| {
-            Status::failed_precondition(format!(
+            Status::invalid_argument(format!(
                 "structured output (response_format, forced tool calls) is not available for model {}: {why}",
                 self.model_id
             ))
