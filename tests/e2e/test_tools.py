@@ -231,6 +231,13 @@ def test_bad_tool_requests_get_400s_in_each_apis_shape(cluster, oai, claude):
                                             "properties": {"x": {"$ref": "#/$defs/missing"}}}}}])
     assert "grammar engine rejected" in e.value.body["message"]
 
+    # An unsatisfiable schema: refused (at compile time or at its first token), never a 5xx.
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": 5, "maximum": 2}}})
+    assert "constraint" in e.value.body["message"] or "grammar" in e.value.body["message"]
+
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(model=MODEL, max_tokens=5, tools=CLAUDE_TOOLS, messages=ASK + [
             {"role": "assistant", "content": "ok"},

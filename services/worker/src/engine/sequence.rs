@@ -330,6 +330,12 @@ impl Sequence {
             None => self.sampler.sample(logits),
             Some(guide) => {
                 let mask = guide.allowed().map_err(grammar_failed)?;
+                if mask.num_set() == 0 {
+                    return Err(EngineError::InvalidRequest(
+                        "the answer cannot go on under its constraint: the grammar allows no token here"
+                            .into(),
+                    ));
+                }
                 self.sampler
                     .sample_allowed(logits, Some(&|i: usize| mask.is_allowed(i as u32)))
             }
@@ -422,8 +428,10 @@ impl Sequence {
     }
 }
 
+/// The grammar engine failing mid-answer is the constraint's fault (a request's), not the
+/// worker's: a 400 for the request.
 fn grammar_failed(e: crate::grammar::GrammarError) -> EngineError {
-    EngineError::Config(e.to_string())
+    EngineError::InvalidRequest(e.to_string())
 }
 
 /// One decode step for every sequence in `batch` that has a token to feed, in one forward
