@@ -334,8 +334,9 @@ impl ToolUse {
             "tool_call".to_string()
         };
         let start = if self.choice == ToolChoice::Auto {
-            // Text (not starting like a call) or calls.
-            format!("start: TEXT | {calls}\nTEXT: /[^<](.|\\n)*/\n")
+            // Text or calls. The text may not start like a call, tagged or fenced: a call
+            // in a strict request is one the grammar wrote, following its schema.
+            format!("start: TEXT | {calls}\nTEXT: /[^<`](.|\\n)*/\n")
         } else {
             format!("start: {calls}\n")
         };
