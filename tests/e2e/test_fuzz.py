@@ -34,12 +34,15 @@ LENGTH_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 def bounded(body):
     """Generated bodies keep their shape; generation lengths are capped at 4 tokens (and set
-    to 4 where absent: the default of chat and responses is the whole context). The key an
+    to 4 where absent or null: the default of chat and responses is the whole context). The key an
     endpoint does not know is ignored by it."""
     if isinstance(body, dict):
-        if not any(key in body for key in LENGTH_KEYS):
+        if not any(body.get(key) is not None for key in LENGTH_KEYS):
             body["max_tokens"] = body["max_output_tokens"] = 4
         for key in LENGTH_KEYS:
+            # An explicit null means "the default" (the whole context), so it is capped too.
+            if key in body and body[key] is None:
+                body[key] = 4
             if isinstance(body.get(key), int) and body[key] > 4:
                 body[key] = 4
     return body
