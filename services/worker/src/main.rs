@@ -11,6 +11,7 @@ use strata_worker::engine::DtypePolicy;
 use strata_worker::engine::generate::{EngineOptions, GenerateRequest};
 use strata_worker::engine::loader::{self, LoadedModel};
 use strata_worker::engine::sample::SamplingParams;
+use strata_worker::engine::speculative::Draft;
 use strata_worker::grpc::{EmbeddingServing, ModelInfo, Served, Serving, WorkerService};
 use strata_worker::prefix_cache::PrefixCache;
 use strata_worker::scheduler::Scheduler;
@@ -72,6 +73,8 @@ enum Command {
         /// with, computing it.
         #[arg(long)]
         store_decode_kv: bool,
+        #[command(flatten)]
+        draft: DraftArgs,
     },
     /// Print which MLX library and device this process gets, then exit.
     Probe,
@@ -141,6 +144,19 @@ struct ModelArgs {
     /// Tokens per prefill pass (rounded down to whole blocks).
     #[arg(long, default_value_t = strata_worker::engine::generate::DEFAULT_PREFILL_CHUNK_TOKENS)]
     prefill_chunk_tokens: usize,
+    #[command(flatten)]
+    draft: DraftArgs,
+}
+
+#[derive(clap::Args, Clone)]
+struct DraftArgs {
+    /// A draft model (GGUF file or safetensors folder) with the same tokenizer: requests then
+    /// decode speculatively unless they opt out. One with another tokenizer is refused.
+    #[arg(long)]
+    draft_model: Option<PathBuf>,
+    /// Tokens the draft proposes per step.
+    #[arg(long, default_value_t = strata_worker::engine::speculative::DEFAULT_DRAFT_TOKENS)]
+    draft_tokens: usize,
 }
 
 impl ModelArgs {
@@ -149,7 +165,7 @@ impl ModelArgs {
             .dtype_policy
             .unwrap_or_else(|| DtypePolicy::for_device(device));
         let started = std::time::Instant::now();
-        let model = loader::open(&self.model, policy, self.block_tokens)
+        let mut model = loader::open(&self.model, policy, self.block_tokens)
             .with_context(|| format!("loading {}", self.model.display()))?;
         tracing::info!(
             model = %self.model.display(),
@@ -157,6 +173,12 @@ impl ModelArgs {
             seconds = started.elapsed().as_secs_f32(),
             "model loaded"
         );
+        if let Some(path) = &self.draft.draft_model {
+            let draft = Draft::open(path, policy, self.draft.draft_tokens, &model)
+                .with_context(|| format!("loading the draft model {}", path.display()))?;
+            tracing::info!(draft = %path.display(), tokens = draft.tokens, "draft model loaded: speculative decoding on");
+            model.draft = Some(draft);
+        }
         Ok(model)
     }
 
@@ -286,6 +308,7 @@ fn main() -> anyhow::Result<()> {
                 prefill_breaks: Vec::new(),
                 images: Vec::new(),
                 grammar: None,
+                speculative: None,
             };
             use std::io::Write;
             let mut stdout = std::io::stdout();
@@ -308,6 +331,18 @@ fn main() -> anyhow::Result<()> {
                     t.decode.as_secs_f64() * 1e3,
                     generation.tokens.len() as f64 / t.decode.as_secs_f64().max(1e-9),
                 );
+                if let Some(s) = &generation.speculation {
+                    println!(
+                        "speculation: {} steps, {} drafted, {} accepted ({:.0}%)",
+                        s.steps,
+                        s.drafted,
+                        s.accepted,
+                        100.0 * s.accepted as f64 / s.drafted.max(1) as f64
+                    );
+                }
+                for n in &generation.notices {
+                    println!("notice: {}: {}", n.feature, n.message);
+                }
             }
             Ok(())
         }
@@ -324,6 +359,7 @@ fn main() -> anyhow::Result<()> {
             l0_bytes,
             memory_budget,
             store_decode_kv,
+            draft,
         } => {
             let runtime = tokio::runtime::Runtime::new().context("start the tokio runtime")?;
             let service_name = match (&model_id, &model) {
@@ -355,6 +391,7 @@ fn main() -> anyhow::Result<()> {
                         dtype_policy,
                         block_tokens,
                         prefill_chunk_tokens,
+                        draft,
                     };
                     let loaded = args.open(&info.device)?;
                     let id = model_id.unwrap_or_else(|| default_model_id(path));
@@ -520,6 +557,17 @@ fn serving(
             },
         ),
     ];
+    features.push((
+        strata_worker::engine::speculative::FEATURE.into(),
+        match &loaded.draft {
+            Some(d) => format!(
+                "on (draft {}, {} tokens per step, exact rejection sampling; only for a request decoding alone: batched steps, structured output, logprobs, penalties and images decode without it, and the response says so)",
+                d.path.display(),
+                d.tokens
+            ),
+            None => "off (no draft model configured)".into(),
+        },
+    ));
     // Structured output: the token table for the grammar engine, built once.
     let grammar = match loaded.stop_tokens.first() {
         Some(&eos) => {

@@ -34,6 +34,9 @@ pub struct GenerateRequest {
     pub images: Vec<PromptImage>,
     /// Structured output: only tokens this grammar allows are sampled.
     pub grammar: Option<crate::grammar::Guide>,
+    /// Speculative decoding: None follows the model's configuration (on when it has a
+    /// draft), false turns it off, true asks for it (a notice says when it cannot apply).
+    pub speculative: Option<bool>,
 }
 
 impl GenerateRequest {
@@ -48,8 +51,18 @@ impl GenerateRequest {
             prefill_breaks: Vec::new(),
             images: Vec::new(),
             grammar: None,
+            speculative: None,
         }
     }
+}
+
+/// An optional feature that was asked for (by the request or the model's configuration) but
+/// did not apply, or applied only in part, and why: reported in the response, the log, the
+/// metrics and `/admin`, never silent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notice {
+    pub feature: String,
+    pub message: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,6 +103,10 @@ pub struct Generation {
     pub logprobs: Vec<Sampled>,
     /// Prompt tokens whose KV was imported instead of computed.
     pub cached_tokens: usize,
+    /// Features asked for that did not (fully) apply.
+    pub notices: Vec<Notice>,
+    /// How speculative decoding went, when it ran.
+    pub speculation: Option<super::speculative::SpecStats>,
 }
 
 /// KV blocks a cache holds for the prompt's leading full blocks, and where the blocks this

@@ -195,7 +195,16 @@ impl Model {
             .flat_map(|s| s.tokens.iter().copied())
             .collect();
         let x = self.embed_tokens(&ids)?;
-        self.layers_and_head(x, batch)
+        self.layers_and_head(x, batch, false)
+    }
+
+    /// One sequence's new tokens through the model, returning the logits after *every* new
+    /// token (`[t, vocab]`, f32): speculative decoding verifies all drafted tokens at once.
+    pub fn forward_all_positions(&self, seq: SeqChunk<'_>) -> Result<Array> {
+        let mut batch = [seq];
+        self.check(&batch)?;
+        let x = self.embed_tokens(batch[0].tokens)?;
+        self.layers_and_head(x, &mut batch, true)
     }
 
     /// The input embeddings `[N, D]` of token ids (unchecked: `forward` validates them).
@@ -208,7 +217,7 @@ impl Model {
     /// callers that put other rows there, such as a VLM's image features.
     pub fn forward_embedded(&self, x: Array, batch: &mut [SeqChunk<'_>]) -> Result<Array> {
         self.check(batch)?;
-        self.layers_and_head(x, batch)
+        self.layers_and_head(x, batch, false)
     }
 
     /// Every sequence has tokens, fits the context and names only vocabulary ids.
@@ -236,7 +245,12 @@ impl Model {
         Ok(())
     }
 
-    fn layers_and_head(&self, x: Array, batch: &mut [SeqChunk<'_>]) -> Result<Array> {
+    fn layers_and_head(
+        &self,
+        x: Array,
+        batch: &mut [SeqChunk<'_>],
+        all_positions: bool,
+    ) -> Result<Array> {
         let c = &self.config;
         let mut x = x;
         // Token ranges of each sequence inside the flat batch.
@@ -300,9 +314,13 @@ impl Model {
             seq.cache.advance((end - start) as usize);
         }
 
-        let last: Vec<i32> = ranges.iter().map(|&(_, end)| end - 1).collect();
-        let last = Array::from_slice(&last, &[last.len() as i32]);
-        let x = x.take_axis(&last, 0)?;
+        let x = if all_positions {
+            x
+        } else {
+            let last: Vec<i32> = ranges.iter().map(|&(_, end)| end - 1).collect();
+            let last = Array::from_slice(&last, &[last.len() as i32]);
+            x.take_axis(&last, 0)?
+        };
         let x = fast::rms_norm(&x, Some(&self.final_norm), c.rms_norm_eps)?;
         let logits = self.head.as_ref().unwrap_or(&self.embed).apply(&x)?;
         Ok(logits.as_dtype(Dtype::Float32)?)

@@ -47,6 +47,8 @@ pub struct LoadedModel {
     /// Names the KV blocks this model computes under this policy (hex BLAKE3).
     pub fingerprint: String,
     pub block_tokens: usize,
+    /// The draft model for speculative decoding, when configured (see `speculative`).
+    pub draft: Option<super::speculative::Draft>,
 }
 
 /// Tokens that end a turn in the templates we meet, besides the declared EOS.
@@ -116,6 +118,7 @@ pub fn open(path: &Path, policy: DtypePolicy, block_tokens: usize) -> Result<Loa
         stop_tokens,
         fingerprint,
         block_tokens,
+        draft: None,
     })
 }
 

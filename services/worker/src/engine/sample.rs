@@ -170,7 +170,7 @@ impl Sampler {
         let token = if p.is_greedy() {
             argmax(&scores)
         } else {
-            self.draw(&mut scores)
+            self.draw(&scores)
         };
         *self.output_counts.entry(token as u32).or_default() += 1;
         self.seen.insert(token as u32);
@@ -204,7 +204,25 @@ impl Sampler {
     }
 
     /// Temperature, then top-k, min-p and top-p filtering, then a seeded draw.
-    fn draw(&mut self, scores: &mut [f32]) -> usize {
+    fn draw(&mut self, scores: &[f32]) -> usize {
+        let dist = self.filtered(scores);
+        self.draw_from(&dist)
+    }
+
+    /// The distribution a token is drawn from, given one row of logits: temperature, top-k,
+    /// min-p and top-p applied; greedy is all mass on the argmax. Penalties are not applied
+    /// (speculative decoding, its one user, runs only without them).
+    pub fn distribution(&self, logits: &[f32]) -> Distribution {
+        if self.params.is_greedy() {
+            return Distribution {
+                tokens: vec![argmax(logits)],
+                probs: vec![1.0],
+            };
+        }
+        self.filtered(logits)
+    }
+
+    fn filtered(&self, scores: &[f32]) -> Distribution {
         let p = &self.params;
         let k = if p.top_k == 0 {
             scores.len()
@@ -241,13 +259,23 @@ impl Sampler {
             probs.truncate(keep.max(1));
         }
         let total: f64 = probs.iter().sum();
-        let u = (self.rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * total;
+        probs.iter_mut().for_each(|x| *x /= total);
+        Distribution {
+            tokens: candidates,
+            probs,
+        }
+    }
+
+    /// A seeded draw from `dist` (whose probabilities add up to 1, up to rounding).
+    pub fn draw_from(&mut self, dist: &Distribution) -> usize {
+        let total: f64 = dist.probs.iter().sum();
+        let u = self.uniform() * total;
         let mut acc = 0.0;
         let mut last_possible = 0;
-        for (i, x) in probs.iter().enumerate() {
+        for (i, x) in dist.probs.iter().enumerate() {
             acc += x;
             if u < acc {
-                return candidates[i];
+                return dist.tokens[i];
             }
             if *x > 0.0 {
                 last_possible = i;
@@ -255,7 +283,29 @@ impl Sampler {
         }
         // Rounding left `u` past the sum: the last token that could be drawn (never one a
         // mask ruled out, whose probability is 0).
-        candidates[last_possible]
+        dist.tokens[last_possible]
+    }
+
+    /// A seeded uniform number in [0, 1).
+    pub fn uniform(&mut self) -> f64 {
+        (self.rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// A sparse distribution over tokens: ids and their probabilities, most likely first.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Distribution {
+    pub tokens: Vec<usize>,
+    pub probs: Vec<f64>,
+}
+
+impl Distribution {
+    /// The probability of `token` (0 outside the support).
+    pub fn prob(&self, token: usize) -> f64 {
+        self.tokens
+            .iter()
+            .position(|&t| t == token)
+            .map_or(0.0, |i| self.probs[i])
     }
 }
 

@@ -7,13 +7,14 @@ use std::time::{Duration, Instant};
 
 use super::generate::StopMatcher;
 use super::generate::{
-    EngineOptions, FinishReason, GenerateRequest, Generation, Timings, TokenEvent,
+    EngineOptions, FinishReason, GenerateRequest, Generation, Notice, Timings, TokenEvent,
 };
 use super::kv::KvCache;
 use super::llama::SeqChunk;
 use super::loader::LoadedModel;
 use super::multimodal;
 use super::sample::{Sampled, Sampler};
+use super::speculative::{self, Plan, Speculation};
 use super::{EngineError, Result};
 use crate::tokenizer::StreamDecoder;
 use mlx_rs::Array;
@@ -71,6 +72,10 @@ pub struct Sequence {
     prefill_time: Option<Duration>,
     ttft: Option<Duration>,
     finish: Option<FinishReason>,
+    /// The draft's state, when this sequence decodes speculatively.
+    spec: Option<Speculation>,
+    /// Features asked for that did not (fully) apply.
+    notices: Vec<Notice>,
 }
 
 impl Sequence {
@@ -122,6 +127,19 @@ impl Sequence {
             cache = model.model.new_cache(options.kv_step_tokens);
             imported = 0;
         }
+        let mut notices = Vec::new();
+        let spec = match (speculative::plan(model, &req), &model.draft) {
+            (Plan::On, Some(draft)) => Some(Speculation::new(draft, options.kv_step_tokens)),
+            (Plan::NotApplied(why), _) => {
+                tracing::info!(feature = speculative::FEATURE, "not applied: {why}");
+                notices.push(Notice {
+                    feature: speculative::FEATURE.into(),
+                    message: format!("not applied: {why}"),
+                });
+                None
+            }
+            _ => None,
+        };
         Ok(Self {
             sampler: Sampler::new(req.sampling.clone(), &req.prompt),
             stops: StopMatcher::new(&req.stop),
@@ -145,6 +163,8 @@ impl Sequence {
             finish: None,
             cache_tokens,
             image_features: None,
+            spec,
+            notices,
             req,
         })
     }
@@ -340,6 +360,18 @@ impl Sequence {
                     .sample_allowed(logits, Some(&|i: usize| mask.is_allowed(i as u32)))
             }
         };
+        self.take(model, sampled, emit)
+    }
+
+    /// Takes a chosen token: ends the answer on a stop token, stop string, a complete grammar
+    /// or the length limit, streams its text, and otherwise makes it the token to feed next.
+    pub(super) fn take(
+        &mut self,
+        model: &LoadedModel,
+        sampled: Sampled,
+        emit: &mut dyn FnMut(&TokenEvent) -> bool,
+    ) -> Result<()> {
+        self.has_pending = false;
         let token = sampled.token;
         self.ttft.get_or_insert_with(|| self.started.elapsed());
         // A grammar allows the end token only where it is complete; then it ends the answer
@@ -405,6 +437,73 @@ impl Sequence {
         Ok(())
     }
 
+    /// Whether this sequence's next decode step can be a speculative one.
+    pub fn speculates(&self) -> bool {
+        self.spec.is_some() && self.wants_decode()
+    }
+
+    /// One speculative step: the draft proposes, the target verifies in one pass, and the
+    /// kept tokens (at least one) are taken in order. Both KV caches are rolled back to what
+    /// was kept.
+    fn speculate(
+        &mut self,
+        model: &LoadedModel,
+        emit: &mut dyn FnMut(&TokenEvent) -> bool,
+    ) -> Result<()> {
+        let (Some(draft), Some(spec)) = (&model.draft, self.spec.as_mut()) else {
+            return Err(EngineError::Config("speculation without a draft".into()));
+        };
+        let held = self.cache.len();
+        let context = model.model.config().context_length;
+        // Room for the drafted tokens and the one the target adds, within max_tokens and the
+        // context (`tokens` already counts the pending token).
+        let room = (self.req.max_tokens - self.tokens.len()).min(context.saturating_sub(held + 1));
+        let k = draft.tokens.min(room.saturating_sub(1));
+        let mut history = Vec::with_capacity(held + 1);
+        history.extend_from_slice(&self.req.prompt);
+        history.extend_from_slice(&self.tokens);
+        let (drafted, dists) = if k == 0 {
+            (Vec::new(), Vec::new())
+        } else {
+            speculative::propose(
+                draft,
+                spec,
+                &history,
+                k,
+                model.model.config().vocab_size,
+                self.chunk,
+                &mut self.sampler,
+            )?
+        };
+        let mut input = Vec::with_capacity(drafted.len() + 1);
+        input.push(self.pending[0]);
+        input.extend_from_slice(&drafted);
+        let out = model.model.forward_all_positions(SeqChunk {
+            tokens: &input,
+            cache: &mut self.cache,
+        })?;
+        out.eval()?;
+        let rows = out.as_slice::<f32>();
+        let vocab = rows.len() / input.len();
+        let verdict = speculative::verify(&mut self.sampler, &drafted, &dists, rows, vocab);
+        spec.stats.steps += 1;
+        spec.stats.drafted += drafted.len();
+        spec.stats.accepted += verdict.accepted;
+        // The target keeps the fed token and the accepted drafts; the draft never holds more.
+        self.cache.truncate(held + 1 + verdict.accepted);
+        spec.cache_truncate(held + 1 + verdict.accepted);
+        for token in verdict.tokens {
+            self.take(model, speculative::plain(token), emit)?;
+            if self.finish.is_some() {
+                break;
+            }
+        }
+        // A finish part-way leaves KV of tokens that were never output.
+        let output = self.req.prompt.len() + self.tokens.len().saturating_sub(1);
+        self.cache.truncate(output);
+        Ok(())
+    }
+
     /// The finished generation.
     pub fn into_generation(self) -> Result<Generation> {
         let finish = self
@@ -412,7 +511,23 @@ impl Sequence {
             .ok_or_else(|| EngineError::Config("generation taken before it finished".into()))?;
         let total = self.started.elapsed();
         let prefill = self.prefill_time.unwrap_or(total);
+        let mut notices = self.notices;
+        let speculation = self.spec.map(|s| s.stats);
+        if let Some(s) = speculation.filter(|s| s.batched_steps > 0) {
+            let message = format!(
+                "off for {} of {} decode steps: other requests were decoding in the same batch, and batched steps run without the draft",
+                s.batched_steps,
+                s.batched_steps + s.steps
+            );
+            tracing::info!(feature = speculative::FEATURE, "{message}");
+            notices.push(Notice {
+                feature: speculative::FEATURE.into(),
+                message,
+            });
+        }
         Ok(Generation {
+            notices,
+            speculation,
             prompt_tokens: self.req.prompt.len(),
             tokens: self.tokens,
             text: self.text,
@@ -446,6 +561,17 @@ pub fn decode_step(
         .collect();
     if ready.is_empty() {
         return Ok(0);
+    }
+    if let [only] = ready[..]
+        && batch[only].speculates()
+    {
+        batch[only].speculate(model, &mut |e| emit(only, e))?;
+        return Ok(1);
+    }
+    for &i in &ready {
+        if let Some(spec) = batch[i].spec.as_mut() {
+            spec.stats.batched_steps += 1;
+        }
     }
     let logits = {
         let mut chunks: Vec<SeqChunk<'_>> = Vec::with_capacity(ready.len());

@@ -424,6 +424,7 @@ impl Worker for WorkerService {
             ignore_eos: req.ignore_eos,
             prefill_breaks: req.prefill_breaks.iter().map(|&b| b as usize).collect(),
             images,
+            speculative: req.speculative,
         };
         // Refuse what the engine would refuse, and what would not fit in memory, before
         // queueing it.
@@ -501,6 +502,20 @@ impl Worker for WorkerService {
                         }
                         result.map_err(engine_status).map(|g| GenerateEvent {
                             event: Some(generate_event::Event::Done(pb::GenerateDone {
+                                notices: g
+                                    .notices
+                                    .iter()
+                                    .map(|n| pb::Notice {
+                                        feature: n.feature.clone(),
+                                        message: n.message.clone(),
+                                    })
+                                    .collect(),
+                                speculation: g.speculation.map(|s| pb::Speculation {
+                                    steps: s.steps as u32,
+                                    drafted: s.drafted as u32,
+                                    accepted: s.accepted as u32,
+                                    batched_steps: s.batched_steps as u32,
+                                }),
                                 finish_reason: finish_reason(g.finish) as i32,
                                 usage: Some(pb::Usage {
                                     prompt_tokens: g.prompt_tokens as u32,
