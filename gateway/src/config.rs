@@ -119,6 +119,14 @@ pub struct ModelConfig {
     /// Also cache blocks of generated tokens (see `strata-worker serve --store-decode-kv`).
     #[serde(default)]
     pub store_decode_kv: bool,
+    /// A draft model (GGUF file or safetensors folder) with this model's tokenizer: requests
+    /// then decode speculatively unless they send `"speculative_decoding": false`. A draft
+    /// with another tokenizer stops the worker at load, saying so.
+    #[serde(default)]
+    pub draft_model: Option<PathBuf>,
+    /// Tokens the draft proposes per step [default: the worker's, 4].
+    #[serde(default)]
+    pub draft_tokens: Option<usize>,
     /// Load when `strata up` starts even if not pinned [default: only pinned models start
     /// loaded; the others load on their first request].
     #[serde(default)]
@@ -139,6 +147,8 @@ impl ModelConfig {
             pinned: false,
             memory_budget: None,
             store_decode_kv: false,
+            draft_model: None,
+            draft_tokens: None,
             preload: false,
             idle_ttl_secs: None,
         }

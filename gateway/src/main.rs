@@ -599,6 +599,16 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
                 (m.store_decode_kv || args.store_decode_kv)
                     .then(|| "--store-decode-kv".to_string()),
             )
+            .chain(
+                m.draft_model
+                    .iter()
+                    .flat_map(|p| ["--draft-model".to_string(), p.display().to_string()]),
+            )
+            .chain(
+                m.draft_tokens
+                    .iter()
+                    .flat_map(|n| ["--draft-tokens".to_string(), n.to_string()]),
+            )
             .collect(),
             socket,
             envs: child_envs.clone(),

@@ -39,6 +39,10 @@ pub struct MessagesRequest {
     tool_choice: Option<Value>,
     /// Extension: requests with different salts never share cached blocks.
     cache_salt: Option<String>,
+    /// Strata's extension: speculative decoding for this request (false: off; true: asked
+    /// for, with `strata_warnings` saying so when it cannot apply) [default: the model's
+    /// configuration].
+    speculative_decoding: Option<bool>,
 }
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
@@ -336,6 +340,7 @@ pub async fn messages(
         prefill_breaks: Vec::new(),
         cache_salt: super::cache_salt(tenant.as_deref(), req.cache_salt.as_deref()),
         constraint: tool_use.as_ref().and_then(ToolUse::constraint),
+        speculative: req.speculative_decoding,
     };
     let stream = generation::start(&state, &model, worker_req, FLAVOR).await?;
     let id = response_id("msg_");
@@ -352,7 +357,7 @@ pub async fn messages(
         content.push(json!({"type": "text", "text": text}));
     }
     content.extend(calls.iter().map(tool_use_block));
-    Ok(Json(json!({
+    let body = json!({
         "id": id,
         "type": "message",
         "role": "assistant",
@@ -361,8 +366,8 @@ pub async fn messages(
         "stop_reason": stop_reason(generation::finish(&done), !calls.is_empty()),
         "stop_sequence": null,
         "usage": usage_json(&generation::usage(&done)),
-    }))
-    .into_response())
+    });
+    Ok(generation::respond(body, &done))
 }
 
 /// message_start, ping, then content blocks (text as text_delta events; with tools offered,
@@ -419,12 +424,11 @@ fn stream_events(
                         events.extend(blocks.close_all());
                         let u = generation::usage(&done);
                         let reason = stop_reason(generation::finish(&done), blocks.calls > 0);
-                        events.push(sse_event(
-                            "message_delta",
-                            json!({"type": "message_delta",
+                        let mut delta = json!({"type": "message_delta",
                             "delta": {"stop_reason": reason, "stop_sequence": null},
-                            "usage": usage_json(&u)}),
-                        ));
+                            "usage": usage_json(&u)});
+                        generation::annotate(&mut delta, &done);
+                        events.push(sse_event("message_delta", delta));
                         events.push(sse_event("message_stop", json!({"type": "message_stop"})));
                         let _ = generation::send_all(&tx, events).await;
                         return;

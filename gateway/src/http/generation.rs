@@ -251,3 +251,65 @@ pub fn usage(done: &pb::GenerateDone) -> pb::Usage {
 pub fn finish(done: &pb::GenerateDone) -> pb::FinishReason {
     pb::FinishReason::try_from(done.finish_reason).unwrap_or(pb::FinishReason::Unspecified)
 }
+
+/// The header that lists optional features asked for and not (fully) applied, as
+/// `feature: message` entries separated by "; " (non-streaming responses; streams carry the
+/// same in their last event's `strata_warnings`).
+pub const WARNINGS_HEADER: &str = "x-strata-warnings";
+
+/// Strata's extension fields of a finished generation, merged into the response object (or
+/// a stream's last event): `strata_warnings` when a feature asked for did not (fully) apply,
+/// `strata_speculative` when the draft model ran.
+pub fn annotate(body: &mut serde_json::Value, done: &pb::GenerateDone) {
+    let Some(obj) = body.as_object_mut() else {
+        return;
+    };
+    if !done.notices.is_empty() {
+        obj.insert(
+            "strata_warnings".into(),
+            done.notices
+                .iter()
+                .map(|n| serde_json::json!({"feature": n.feature, "message": n.message}))
+                .collect(),
+        );
+    }
+    if let Some(s) = &done.speculation {
+        obj.insert(
+            "strata_speculative".into(),
+            serde_json::json!({
+                "steps": s.steps, "drafted_tokens": s.drafted, "accepted_tokens": s.accepted,
+                "batched_steps": s.batched_steps,
+            }),
+        );
+    }
+}
+
+/// A non-streaming response as JSON, with its extension fields and the warnings header.
+pub fn respond(mut body: serde_json::Value, done: &pb::GenerateDone) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    annotate(&mut body, done);
+    let mut response = axum::Json(body).into_response();
+    if !done.notices.is_empty() {
+        let text: Vec<String> = done
+            .notices
+            .iter()
+            .map(|n| format!("{}: {}", n.feature, n.message))
+            .collect();
+        // Header values must be visible ASCII; messages are ours, but be safe.
+        let ascii: String = text
+            .join("; ")
+            .chars()
+            .map(|c| {
+                if c.is_ascii() && !c.is_ascii_control() {
+                    c
+                } else {
+                    '?'
+                }
+            })
+            .collect();
+        if let Ok(v) = axum::http::HeaderValue::from_str(&ascii) {
+            response.headers_mut().insert(WARNINGS_HEADER, v);
+        }
+    }
+    response
+}

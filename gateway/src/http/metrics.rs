@@ -109,6 +109,17 @@ impl GenerationMeter {
         }
         counter!("strata_generations_total", "model" => self.model.clone(), "outcome" => "ok")
             .increment(1);
+        for n in &done.notices {
+            tracing::info!(model = %self.model, feature = %n.feature, "feature not applied: {}", n.message);
+            counter!("strata_feature_not_applied_total", "model" => self.model.clone(), "feature" => n.feature.clone())
+                .increment(1);
+        }
+        if let Some(s) = &done.speculation {
+            counter!("strata_speculative_drafted_tokens_total", &model)
+                .increment(u64::from(s.drafted));
+            counter!("strata_speculative_accepted_tokens_total", &model)
+                .increment(u64::from(s.accepted));
+        }
         let mut totals = token_totals().lock().unwrap_or_else(|p| p.into_inner());
         let entry = totals.entry(self.model.clone()).or_default();
         entry.0 += u64::from(usage.prompt_tokens);

@@ -57,6 +57,10 @@ pub struct Common {
     cache_salt: Option<String>,
     /// vLLM's extension: keep generating past the end-of-sequence token (benchmarks).
     ignore_eos: Option<bool>,
+    /// Strata's extension: speculative decoding for this request (false: off; true: asked
+    /// for, with `strata_warnings` saying so when it cannot apply) [default: the model's
+    /// configuration].
+    speculative_decoding: Option<bool>,
     /// Strata's extension: extra prefill chunk ends (token positions), to reproduce exactly
     /// the arithmetic of a run that resumed from a cached partial block (verification).
     #[serde(default)]
@@ -162,6 +166,7 @@ impl Common {
             cache_salt: super::cache_salt(tenant, self.cache_salt.as_deref()),
             prefill_breaks: self.prefill_breaks.clone(),
             constraint: None,
+            speculative: self.speculative_decoding,
         })
     }
 }
@@ -511,7 +516,9 @@ pub async fn chat_completions(
                             .collect(),
                     };
                     let reason = chat_finish_reason(generation::finish(done), calls_sent > 0);
-                    out.push(chunk(json!({}), Value::Null, json!(reason)));
+                    let mut last = chunk(json!({}), Value::Null, json!(reason));
+                    generation::annotate(&mut last, done);
+                    out.push(last);
                     if include_usage {
                         out.push(json!({
                             "id": id, "object": "chat.completion.chunk", "created": created, "model": model_name,
@@ -550,7 +557,7 @@ pub async fn chat_completions(
             })
             .collect();
     }
-    Ok(Json(json!({
+    let body = json!({
         "id": id,
         "object": "chat.completion",
         "created": created,
@@ -562,8 +569,8 @@ pub async fn chat_completions(
             "finish_reason": chat_finish_reason(generation::finish(&done), !calls.is_empty()),
         }],
         "usage": usage_json(&generation::usage(&done)),
-    }))
-    .into_response())
+    });
+    Ok(generation::respond(body, &done))
 }
 
 #[utoipa::path(post, path = "/v1/completions", tag = "OpenAI",
@@ -652,10 +659,12 @@ pub async fn completions(
                 })]
             }
             Part::Done(done) => {
-                let mut out = vec![json!({
+                let mut last = json!({
                     "id": id, "object": "text_completion", "created": created, "model": model_name,
                     "choices": [{"index": 0, "text": "", "logprobs": null, "finish_reason": finish_reason(generation::finish(done))}],
-                })];
+                });
+                generation::annotate(&mut last, done);
+                let mut out = vec![last];
                 if include_usage {
                     out.push(json!({
                         "id": id, "object": "text_completion", "created": created, "model": model_name,
@@ -676,15 +685,15 @@ pub async fn completions(
     } else {
         Value::Null
     };
-    Ok(Json(json!({
+    let body = json!({
         "id": id,
         "object": "text_completion",
         "created": created,
         "model": model_name,
         "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason(generation::finish(&done))}],
         "usage": usage_json(&generation::usage(&done)),
-    }))
-    .into_response())
+    });
+    Ok(generation::respond(body, &done))
 }
 
 /// What a stream produces, for the endpoint to turn into its chunks.

@@ -10,7 +10,7 @@ use axum::Extension;
 use axum::body::Body;
 use axum::extract::State;
 use axum::response::sse::{Event, KeepAlive, Sse};
-use axum::response::{IntoResponse, Json, Response};
+use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use strata_proto::worker::{self as pb, generate_event};
@@ -43,6 +43,8 @@ pub struct ResponsesRequest {
     previous_response_id: Option<String>,
     /// Extension, as on chat completions: requests with different salts share no blocks.
     cache_salt: Option<String>,
+    /// Extension, as on chat completions: speculative decoding for this request.
+    speculative_decoding: Option<bool>,
 }
 
 /// The request's input items as chat messages (OpenAI chat shape).
@@ -241,6 +243,7 @@ pub async fn create(
         cache_salt: super::cache_salt(tenant.as_deref(), req.cache_salt.as_deref()),
         prefill_breaks: Vec::new(),
         constraint,
+        speculative: req.speculative_decoding,
     };
     let stream = generation::start(&state, &model, worker_req, FLAVOR).await?;
     let shell = Shell {
@@ -270,7 +273,10 @@ pub async fn create(
     for piece in pieces {
         output.add(piece);
     }
-    Ok(Json(shell.response(&output.items, Some(&done))).into_response())
+    Ok(generation::respond(
+        shell.response(&output.items, Some(&done)),
+        &done,
+    ))
 }
 
 /// What every response object repeats: its id, the model and the request's settings.
@@ -317,6 +323,9 @@ impl Shell {
             for (k, v) in echo {
                 r.insert(k.clone(), v.clone());
             }
+        }
+        if let Some(d) = done {
+            generation::annotate(&mut r, d);
         }
         r
     }

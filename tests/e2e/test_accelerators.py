@@ -1,0 +1,231 @@
+"""The accelerators, end to end through the real cluster: speculative decoding with a draft
+model (SmolLM2 as its own draft in CI: greedy output must not change), a draft with another
+tokenizer refused at load, and no silent fallbacks: every feature asked for that does not
+apply says so in the response, the metrics, the log and /admin."""
+import json
+import threading
+import time
+import urllib.request
+
+import anthropic
+import openai
+import pytest
+
+from test_api import config_cluster, pick_port, raw_post
+
+PROMPTS = [
+    "Write a short poem about the sea.",
+    "List three uses of a paperclip.",
+    "Explain what a hash map is in two sentences.",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen(default_model):
+    # Written by scripts/setup next to the default model: a random Qwen2 with its own
+    # tokenizer, so a draft that cannot draft for SmolLM2.
+    path = default_model.parent.parent / "qwen2-tiny/qwen2_tiny.gguf"
+    assert path.is_file(), f"{path} missing: run scripts/setup"
+    return path
+
+
+@pytest.fixture(scope="module")
+def cluster(bin_dir, default_model, tiny_qwen, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("accel")
+    port = pick_port()
+    text = f"""
+bind = "127.0.0.1:{port}"
+run_dir = "{tmp / 'run'}"
+
+[cache]
+dir = "{tmp / 'kv'}"
+ram = "64MiB"
+disk = "256MiB"
+
+[[models]]
+id = "plain"
+path = "{default_model}"
+pinned = true
+memory_budget = "2GiB"
+
+[[models]]
+id = "spec"
+path = "{default_model}"
+pinned = true
+memory_budget = "2GiB"
+draft_model = "{default_model}"
+draft_tokens = 4
+
+[[models]]
+id = "mismatch"
+path = "{default_model}"
+memory_budget = "2GiB"
+draft_model = "{tiny_qwen}"
+"""
+    with config_cluster(bin_dir, tmp, port, text) as c:
+        yield c
+
+
+@pytest.fixture
+def oai(cluster):
+    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def claude(cluster):
+    return anthropic.Anthropic(base_url=cluster.url, api_key="unused", max_retries=0)
+
+
+def chat(oai, model, prompt, **extra):
+    r = oai.chat.completions.with_raw_response.create(
+        model=model, messages=[{"role": "user", "content": prompt}], temperature=0,
+        max_tokens=48, **extra)
+    return r.headers, r.parse()
+
+
+def admin_features(cluster, model):
+    token = (cluster.run_dir / "admin-token").read_text().strip()
+    req = urllib.request.Request(cluster.url + "/admin/api/workers",
+                                 headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        workers = {w["name"]: w for w in json.load(r)["workers"]}
+    return workers[f"worker-{model}"]["stats"]["features"]
+
+
+def metric(cluster, name, **labels):
+    with urllib.request.urlopen(cluster.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_greedy_output_is_the_same_with_the_draft_and_the_draft_is_used(oai, claude):
+    drafted = accepted = 0
+    for prompt in PROMPTS:
+        _, plain = chat(oai, "plain", prompt, extra_body={"cache_salt": "p"})
+        _, spec = chat(oai, "spec", prompt, extra_body={"cache_salt": "s"})
+        assert spec.choices[0].message.content == plain.choices[0].message.content
+        assert spec.usage.completion_tokens == plain.usage.completion_tokens
+        stats = spec.model_extra["strata_speculative"]
+        assert stats["steps"] > 0 and stats["drafted_tokens"] > 0
+        assert stats["batched_steps"] == 0
+        drafted += stats["drafted_tokens"]
+        accepted += stats["accepted_tokens"]
+        assert "strata_speculative" not in (plain.model_extra or {})
+        assert "strata_warnings" not in (spec.model_extra or {})
+    # The draft is the target itself: (almost) every drafted token is kept.
+    assert accepted >= 0.9 * drafted, (accepted, drafted)
+
+    # The same through the Anthropic API, streamed and whole; and opting out per request.
+    def text(model, **extra):
+        m = claude.messages.create(model=model, max_tokens=40,
+                                   messages=[{"role": "user", "content": PROMPTS[0]}],
+                                   extra_body={"temperature": 0, **extra})
+        return m.content[0].text, m.model_extra or {}
+    spec_text, spec_extra = text("spec")
+    plain_text, _ = text("plain")
+    off_text, off_extra = text("spec", speculative_decoding=False)
+    assert spec_text == plain_text == off_text
+    assert spec_extra["strata_speculative"]["accepted_tokens"] > 0
+    assert "strata_speculative" not in off_extra and "strata_warnings" not in off_extra
+    with claude.messages.stream(model="spec", max_tokens=40,
+                                messages=[{"role": "user", "content": PROMPTS[0]}],
+                                extra_body={"temperature": 0}) as s:
+        streamed = s.get_final_text()
+    assert streamed == plain_text
+
+
+def test_sampling_with_the_draft_runs_and_is_seeded(oai):
+    # Temperature 0.8 through exact rejection sampling: same seed, same text.
+    a = oai.chat.completions.create(model="spec", temperature=0.8, seed=5, max_tokens=32,
+                                    messages=[{"role": "user", "content": PROMPTS[1]}])
+    b = oai.chat.completions.create(model="spec", temperature=0.8, seed=5, max_tokens=32,
+                                    messages=[{"role": "user", "content": PROMPTS[1]}])
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.model_extra["strata_speculative"]["drafted_tokens"] > 0
+    assert a.choices[0].message.content
+
+
+def test_a_feature_asked_for_and_not_applied_says_so_everywhere(cluster, oai):
+    before = metric(cluster, "strata_feature_not_applied_total", model="spec",
+                    feature="speculative_decoding")
+    # logprobs need the target's own distribution at every token: no draft.
+    headers, r = chat(oai, "spec", PROMPTS[0], logprobs=True)
+    warnings = r.model_extra["strata_warnings"]
+    assert warnings[0]["feature"] == "speculative_decoding"
+    assert "logprobs" in warnings[0]["message"]
+    assert "speculative_decoding: not applied" in headers["x-strata-warnings"]
+    assert "strata_speculative" not in r.model_extra
+    # Structured output: same, and the answer still follows its schema.
+    _, r = chat(oai, "spec", "Give a JSON object with a name.",
+                response_format={"type": "json_object"})
+    assert "structured output" in r.model_extra["strata_warnings"][0]["message"]
+    assert r.choices[0].message.content.startswith("{")
+    # Asked for on a model without a draft.
+    headers, r = chat(oai, "plain", PROMPTS[0], extra_body={"speculative_decoding": True})
+    assert "no draft model" in r.model_extra["strata_warnings"][0]["message"]
+    assert "x-strata-warnings" in headers
+    # Streamed: the last chunk carries the warnings.
+    stream = oai.chat.completions.create(model="spec", messages=[{"role": "user", "content": "hi"}],
+                                         max_tokens=8, stream=True, logprobs=True)
+    last = [c for c in stream][-1]
+    assert last.model_extra["strata_warnings"][0]["feature"] == "speculative_decoding"
+    # Counted in the metrics, per model and feature.
+    after = metric(cluster, "strata_feature_not_applied_total", model="spec",
+                   feature="speculative_decoding")
+    assert after - before == 3
+    assert metric(cluster, "strata_feature_not_applied_total", model="plain",
+                  feature="speculative_decoding") >= 1
+    assert metric(cluster, "strata_speculative_accepted_tokens_total", model="spec") > 0
+    # The log says why at info level.
+    log = cluster.log_path.read_text()
+    assert "feature not applied" in log and "logprobs were asked for" in log
+    # /admin shows what is on per model.
+    assert admin_features(cluster, "spec")["speculative_decoding"].startswith("on (draft ")
+    assert admin_features(cluster, "plain")["speculative_decoding"].startswith("off (no draft")
+
+
+def test_a_request_sharing_decode_steps_says_the_draft_sat_out(cluster, oai):
+    # A long stream decodes; a second request joins its batch: its steps run without the
+    # draft, and its response says for how many.
+    first_token = threading.Event()
+    long_result = {}
+
+    def long_stream():
+        stream = oai.chat.completions.create(
+            model="spec", messages=[{"role": "user", "content": PROMPTS[2]}], max_tokens=160,
+            stream=True, temperature=0, extra_body={"ignore_eos": True})
+        chunks = []
+        for c in stream:
+            chunks.append(c)
+            first_token.set()
+        long_result["last"] = chunks[-1]
+
+    t = threading.Thread(target=long_stream)
+    t.start()
+    assert first_token.wait(60)
+    time.sleep(0.5)
+    _, r = chat(oai, "spec", PROMPTS[0])
+    t.join(120)
+    warning = r.model_extra["strata_warnings"][0]
+    assert warning["feature"] == "speculative_decoding"
+    assert "decode steps" in warning["message"] and "batch" in warning["message"]
+    assert r.model_extra["strata_speculative"]["batched_steps"] > 0
+    assert "strata_warnings" in long_result["last"].model_extra
+
+
+def test_a_draft_with_another_tokenizer_is_refused_at_load(cluster):
+    status, _, body = raw_post(cluster, "/v1/chat/completions", {
+        "model": "mismatch", "max_tokens": 4,
+        "messages": [{"role": "user", "content": "hi"}]})
+    assert status in (500, 503), (status, body)
+    assert "tokenizers differ" in body["error"]["message"], body
+    # The other models serve on.
+    status, _, body = raw_post(cluster, "/v1/chat/completions", {
+        "model": "spec", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200
