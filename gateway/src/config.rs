@@ -127,6 +127,11 @@ pub struct ModelConfig {
     /// Tokens the draft proposes per step [default: the worker's, 4].
     #[serde(default)]
     pub draft_tokens: Option<usize>,
+    /// Bits per value of this model's cached KV blocks: 16 (as computed, the default), or 8
+    /// or 4 (quantised: fewer bytes in RAM and on SSD, hits close to but not bit-identical
+    /// with computing the prompt).
+    #[serde(default)]
+    pub kv_cache_bits: Option<u32>,
     /// Load when `strata up` starts even if not pinned [default: only pinned models start
     /// loaded; the others load on their first request].
     #[serde(default)]
@@ -149,6 +154,7 @@ impl ModelConfig {
             store_decode_kv: false,
             draft_model: None,
             draft_tokens: None,
+            kv_cache_bits: None,
             preload: false,
             idle_ttl_secs: None,
         }

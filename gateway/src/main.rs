@@ -609,6 +609,11 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
                     .iter()
                     .flat_map(|n| ["--draft-tokens".to_string(), n.to_string()]),
             )
+            .chain(
+                m.kv_cache_bits
+                    .iter()
+                    .flat_map(|n| ["--kv-cache-bits".to_string(), n.to_string()]),
+            )
             .collect(),
             socket,
             envs: child_envs.clone(),

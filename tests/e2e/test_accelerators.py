@@ -57,6 +57,20 @@ draft_model = "{default_model}"
 draft_tokens = 4
 
 [[models]]
+id = "q8"
+path = "{default_model}"
+pinned = true
+memory_budget = "1GiB"
+kv_cache_bits = 8
+
+[[models]]
+id = "q8b"
+path = "{default_model}"
+pinned = true
+memory_budget = "1GiB"
+kv_cache_bits = 8
+
+[[models]]
 id = "mismatch"
 path = "{default_model}"
 memory_budget = "2GiB"
@@ -83,12 +97,15 @@ def chat(oai, model, prompt, **extra):
     return r.headers, r.parse()
 
 
-def admin_features(cluster, model):
+def admin(cluster, path):
     token = (cluster.run_dir / "admin-token").read_text().strip()
-    req = urllib.request.Request(cluster.url + "/admin/api/workers",
-                                 headers={"Authorization": f"Bearer {token}"})
+    req = urllib.request.Request(cluster.url + path, headers={"Authorization": f"Bearer {token}"})
     with urllib.request.urlopen(req, timeout=10) as r:
-        workers = {w["name"]: w for w in json.load(r)["workers"]}
+        return json.load(r)
+
+
+def admin_features(cluster, model):
+    workers = {w["name"]: w for w in admin(cluster, "/admin/api/workers")["workers"]}
     return workers[f"worker-{model}"]["stats"]["features"]
 
 
@@ -229,3 +246,41 @@ def test_a_draft_with_another_tokenizer_is_refused_at_load(cluster):
     status, _, body = raw_post(cluster, "/v1/chat/completions", {
         "model": "spec", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
     assert status == 200
+
+
+LONG = ("The lighthouse keeper wrote in his log every evening. " * 60
+        + "What did the keeper do every evening?")
+
+
+def cached(oai, model, salt="kvq"):
+    # A salt of its own: the namespaces then hold exactly this prompt's blocks.
+    r = oai.chat.completions.create(model=model, temperature=0, max_tokens=16,
+                                    messages=[{"role": "user", "content": LONG}],
+                                    extra_body={"cache_salt": salt})
+    return r.usage.prompt_tokens_details.cached_tokens, r.choices[0].message.content
+
+
+def test_quantised_kv_blocks_never_mix_with_full_precision_ones(cluster, oai):
+    # Full-precision blocks of this prompt exist (same weights, same fingerprint)...
+    cached(oai, "plain")
+    assert cached(oai, "plain")[0] > 0
+    # ...but the 8-bit model cannot use them: its blocks live under their own namespace.
+    n, _ = cached(oai, "q8")
+    assert n == 0
+    # Its own blocks it reuses, and so does another 8-bit worker of the same model, through
+    # the cache service (whose header checks know the scheme).
+    n, text = cached(oai, "q8")
+    assert n > 0 and text
+    n, _ = cached(oai, "q8b")
+    assert n > 0
+    stats = admin(cluster, "/admin/api/cache/stats")
+    spaces = {ns["namespace"]: ns for ns in stats["namespaces"]}
+    quantised = [k for k in spaces if "~kv-affine-q8-g64+" in k]
+    assert len(quantised) == 1, list(spaces)
+    full = quantised[0].replace("~kv-affine-q8-g64", "")
+    assert spaces[full]["ram"]["blocks"] == spaces[quantised[0]]["ram"]["blocks"] > 0
+    # The same blocks: float32 KV in groups of 64 values takes 256 bytes a group, 8-bit 72.
+    ratio = spaces[full]["ram"]["bytes"] / spaces[quantised[0]]["ram"]["bytes"]
+    assert abs(ratio - 256 / 72) < 0.01, ratio
+    assert "affine-q8-g64" in admin_features(cluster, "q8")["kv_quantization"]
+    assert admin_features(cluster, "plain")["kv_quantization"].startswith("off")

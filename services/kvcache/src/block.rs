@@ -63,6 +63,20 @@ pub enum BlockError {
     ChecksumMismatch,
     #[error("unknown dtype {0:?}")]
     Dtype(String),
+    #[error("unknown or unusable KV quantisation {0:?}")]
+    Quant(String),
+}
+
+/// Values per quantisation group (see `BlockHeader.kv_quant`).
+pub const QUANT_GROUP: u64 = 64;
+
+/// Bits per value of a quantisation scheme this service knows.
+fn quant_bits(scheme: &str) -> Option<u64> {
+    match scheme {
+        "affine-q8-g64" => Some(8),
+        "affine-q4-g64" => Some(4),
+        _ => None,
+    }
 }
 
 fn dtype_bytes(dtype: &str) -> Option<u64> {
@@ -108,21 +122,34 @@ pub fn verify_header(h: &BlockHeader) -> Result<(), BlockError> {
         return Err(BlockError::KeyMismatch);
     }
     let elem = dtype_bytes(&h.dtype).ok_or_else(|| BlockError::Dtype(h.dtype.clone()))?;
-    let kinds_ok = h.layer_kinds.len() == h.num_layers as usize
-        && h.layer_kinds
-            .iter()
-            .all(|&k| k == StateKind::FullAttentionKv as i32);
-    // Checked: the header comes from a file or the network; a size past u64 is a mismatch,
-    // not a panic or a wrapped number that could happen to match.
-    let expected = [
+    let values = [
         u64::from(h.num_layers),
         u64::from(h.kv_heads),
         u64::from(h.head_dim),
         h.token_ids.len() as u64,
-        elem,
     ]
     .into_iter()
     .try_fold(2u64, u64::checked_mul);
+    // Checked: the header comes from a file or the network; a size past u64 is a mismatch,
+    // not a panic or a wrapped number that could happen to match.
+    let expected = match h.kv_quant.as_str() {
+        "" => values.and_then(|v| v.checked_mul(elem)),
+        scheme => {
+            let bits = quant_bits(scheme).ok_or_else(|| BlockError::Quant(scheme.to_string()))?;
+            if h.head_dim == 0 || u64::from(h.head_dim) % QUANT_GROUP != 0 {
+                return Err(BlockError::Quant(format!(
+                    "{scheme} with head_dim {}",
+                    h.head_dim
+                )));
+            }
+            // Per group: f32 scale and minimum, then the codes.
+            values.and_then(|v| (v / QUANT_GROUP).checked_mul(8 + QUANT_GROUP * bits / 8))
+        }
+    };
+    let kinds_ok = h.layer_kinds.len() == h.num_layers as usize
+        && h.layer_kinds
+            .iter()
+            .all(|&k| k == StateKind::FullAttentionKv as i32);
     let too_many = h.block_tokens != 0 && h.token_ids.len() > h.block_tokens as usize;
     if !kinds_ok || expected != Some(h.payload_bytes) || h.token_ids.is_empty() || too_many {
         return Err(BlockError::LayoutMismatch {
@@ -240,6 +267,7 @@ pub fn make_block_of(
             payload_bytes: payload.len() as u64,
             payload_checksum: blake3::hash(&payload).as_bytes().to_vec(),
             block_tokens,
+            kv_quant: String::new(),
         }),
         payload: Bytes::from(payload),
         file: None,
@@ -259,6 +287,43 @@ mod tests {
             (2, 1, 4, "float32"),
             vec![7u8; 2 * 2 * 4 * 4 * n],
         )
+    }
+
+    #[test]
+    fn quantised_payloads_are_checked_against_their_scheme() {
+        // 2 layers x K/V x 1 head x 2 tokens = 8 rows of 64 values; 8-bit: 8 x (8 + 64) bytes.
+        let mut b = make_block_of(
+            "ns",
+            None,
+            vec![1, 2],
+            4,
+            (2, 1, 64, "float32"),
+            vec![3u8; 576],
+        );
+        let set = |b: &mut Block, scheme: &str| {
+            if let Some(h) = b.header.as_mut() {
+                h.kv_quant = scheme.to_string();
+            }
+        };
+        // Read as full precision it is the wrong size: never served as f32.
+        assert!(matches!(verify(&b), Err(BlockError::LayoutMismatch { .. })));
+        set(&mut b, "affine-q8-g64");
+        assert!(verify(&b).is_ok());
+        set(&mut b, "affine-q4-g64");
+        assert!(matches!(verify(&b), Err(BlockError::LayoutMismatch { .. })));
+        set(&mut b, "affine-q3-g64");
+        assert!(matches!(verify(&b), Err(BlockError::Quant(_))));
+        // A head size the groups do not divide.
+        let mut odd = make_block_of(
+            "ns",
+            None,
+            vec![1],
+            4,
+            (1, 1, 48, "float32"),
+            vec![0u8; 144],
+        );
+        set(&mut odd, "affine-q8-g64");
+        assert!(matches!(verify(&odd), Err(BlockError::Quant(_))));
     }
 
     #[test]

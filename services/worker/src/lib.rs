@@ -6,6 +6,7 @@ pub mod embedder;
 pub mod engine;
 pub mod grammar;
 pub mod grpc;
+pub mod kv_quant;
 pub mod mlx_device;
 pub mod prefix_cache;
 pub mod scheduler;

@@ -23,6 +23,7 @@ use tracing::Instrument;
 
 use crate::engine::kv::KvLayout;
 use crate::engine::sequence::FinishedBlock;
+use crate::kv_quant::{self, KvQuant};
 
 /// How long a lookup may take before the prompt is computed instead.
 const LOOKUP_DEADLINE: Duration = Duration::from_secs(1);
@@ -187,6 +188,10 @@ pub struct PrefixCache {
     namespace: Arc<str>,
     block_tokens: usize,
     layout: (u32, u32, u32, &'static str),
+    /// The live KV dtype, which quantised blocks decode to.
+    dtype: mlx_rs::Dtype,
+    /// Blocks are stored quantised with this scheme (None: in the live dtype).
+    quant: Option<KvQuant>,
     /// Blocks to store, each with the span of the request that computed it.
     store: mpsc::Sender<(Block, tracing::Span)>,
     pub stats: Arc<PrefixStats>,
@@ -220,13 +225,19 @@ fn dtype_name(d: mlx_rs::Dtype) -> &'static str {
 impl PrefixCache {
     /// Must be called inside the tokio runtime (it starts the store task). Without a socket,
     /// only L0 is used.
+    /// With `quant`, blocks are stored quantised, under a namespace that names the scheme.
     pub fn new(
         socket: Option<&Path>,
         l0_bytes: u64,
         namespace: &str,
         block_tokens: usize,
         layout: KvLayout,
+        quant: Option<KvQuant>,
     ) -> Self {
+        let namespace = match quant {
+            Some(q) => format!("{namespace}~kv-{}", q.scheme()),
+            None => namespace.to_string(),
+        };
         let client = socket.map(|s| CacheClient::connect(s, Duration::from_secs(1)));
         let (store, rx) = mpsc::channel(STORE_QUEUE_BLOCKS);
         let stats = Arc::new(PrefixStats::default());
@@ -245,6 +256,8 @@ impl PrefixCache {
             })),
             namespace: namespace.into(),
             block_tokens,
+            dtype: layout.dtype,
+            quant,
             layout: (
                 layout.num_layers as u32,
                 layout.kv_heads as u32,
@@ -373,10 +386,30 @@ impl PrefixCache {
         }
         drop(l0);
         Prepared {
-            cached,
+            cached: self.expand(cached),
             tiers,
             sink: self.sink(prompt, keys),
         }
+    }
+
+    /// Cached payloads as the engine imports them: quantised ones decoded to the live dtype.
+    /// One that does not decode ends the hit there (the rest is computed).
+    fn expand(&self, cached: Vec<(Bytes, usize)>) -> Vec<(Bytes, usize)> {
+        let Some(q) = self.quant else {
+            return cached;
+        };
+        let _span = tracing::info_span!("kv.dequantize", blocks = cached.len()).entered();
+        let mut out = Vec::with_capacity(cached.len());
+        for (bytes, tokens) in cached {
+            match kv_quant::decode(q, self.dtype, &bytes) {
+                Ok(v) => out.push((Bytes::from(v), tokens)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cached block does not decode; computing from there");
+                    break;
+                }
+            }
+        }
+        out
     }
 
     /// The key a block at `index` hangs under (the namespace's root for the first).
@@ -409,14 +442,27 @@ impl PrefixCache {
                 // Not this prompt's block: never store it under another key.
                 return;
             }
-            let made = make_block_of(
+            let payload = match this.quant {
+                None => block.bytes,
+                Some(q) => match kv_quant::encode(q, this.dtype, &block.bytes) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "block not cached: quantising it failed");
+                        return;
+                    }
+                },
+            };
+            let mut made = make_block_of(
                 &this.namespace,
                 parent.as_ref(),
                 block.tokens.clone(),
                 b as u32,
                 this.layout,
-                block.bytes,
+                payload,
             );
+            if let (Some(q), Some(h)) = (this.quant, made.header.as_mut()) {
+                h.kv_quant = q.scheme().to_string();
+            }
             {
                 let mut l0 = lock(&this.l0);
                 if partial {
@@ -654,13 +700,15 @@ impl PrefixCache {
         out
     }
 
+    /// Bytes a block holds per token, as stored (what a fetch moves).
     fn bytes_per_token(&self) -> u64 {
         let (layers, heads, dim, dtype) = self.layout;
-        let elem = match dtype {
-            "float32" => 4,
-            _ => 2,
-        };
-        2 * u64::from(layers) * u64::from(heads) * u64::from(dim) * elem
+        let values = 2 * u64::from(layers) * u64::from(heads) * u64::from(dim);
+        match (self.quant, dtype) {
+            (Some(q), _) => q.encoded_len(values as usize) as u64,
+            (None, "float32") => values * 4,
+            (None, _) => values * 2,
+        }
     }
 }
 
@@ -738,6 +786,51 @@ async fn store_loop(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Quantised blocks live under their own namespace (never a full-precision hit, nor one of
+    /// another scheme) and come back decoded to the live dtype, close to what was stored.
+    #[tokio::test]
+    async fn quantised_blocks_are_isolated_and_decode_to_the_live_dtype() {
+        let layout = KvLayout {
+            num_layers: 2,
+            kv_heads: 1,
+            head_dim: 64,
+            dtype: mlx_rs::Dtype::Float32,
+        };
+        let cache = |q| PrefixCache::new(None, 1 << 20, "model", 4, layout, q);
+        let (plain, q8, q4) = (
+            cache(None),
+            cache(Some(KvQuant::Q8)),
+            cache(Some(KvQuant::Q4)),
+        );
+        let prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9];
+        let keys = [plain.keys(&prompt), q8.keys(&prompt), q4.keys(&prompt)];
+        assert!(keys[0] != keys[1] && keys[1] != keys[2] && keys[0] != keys[2]);
+
+        let values: Vec<f32> = (0..layout.bytes_per_token() / 4 * 4)
+            .map(|i| (i as f32 * 0.37).sin())
+            .collect();
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut sink = q8.prepare(&prompt).await.sink;
+        sink(FinishedBlock {
+            index: 0,
+            tokens: prompt[..4].to_vec(),
+            bytes: bytes.clone(),
+        });
+        let stored = lock(&q8.l0).used_bytes as usize;
+        assert_eq!(stored, KvQuant::Q8.encoded_len(values.len()));
+        assert!(stored * 3 < bytes.len());
+        let hit = q8.prepare(&prompt).await;
+        assert_eq!(hit.cached.len(), 1);
+        let back = &hit.cached[0].0;
+        assert_eq!(back.len(), bytes.len());
+        for (a, b) in values.iter().zip(back.chunks_exact(4)) {
+            let b = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            assert!((a - b).abs() < 2.0 / 255.0, "{a} vs {b}");
+        }
+        // The full-precision cache of the same model does not see it.
+        assert!(plain.prepare(&prompt).await.cached.is_empty());
+    }
 
     #[test]
     fn hits_are_fetched_until_both_speeds_are_measured() {

@@ -1,0 +1,232 @@
+//! KV quantisation for cached blocks: 8-bit or 4-bit affine codes per group of values, as
+//! MLX's `quantize` lays them out (a scale and a minimum per group of 64 along head_dim), so
+//! that a block on SSD or in RAM takes about a quarter (8-bit) or an eighth (4-bit) of its
+//! f32 bytes. Blocks are quantised when stored and expanded back to the live dtype when
+//! imported; the live KV of a running sequence keeps full precision.
+//!
+//! Written here rather than with MLX's own `quantize`: block bytes live on the host (they
+//! come from an export and go to gRPC or sled), the codec is a short loop over them, and
+//! going through MLX would add two array round trips per block. The format is Strata's own,
+//! named in the block header (`kv_quant`) and in the namespace, so quantised blocks never
+//! mix with full-precision ones or with another scheme.
+
+use mlx_rs::Dtype;
+
+/// Values per group: one scale and one minimum for each.
+pub const GROUP: usize = 64;
+
+/// A quantisation scheme for cached KV.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvQuant {
+    Q8,
+    Q4,
+}
+
+impl KvQuant {
+    /// From a bit width: 16 (or 32) is no quantisation.
+    pub fn from_bits(bits: u32) -> Result<Option<Self>, String> {
+        match bits {
+            8 => Ok(Some(Self::Q8)),
+            4 => Ok(Some(Self::Q4)),
+            16 | 32 => Ok(None),
+            other => Err(format!(
+                "KV cache bits must be 4, 8 or 16 (full precision), got {other}"
+            )),
+        }
+    }
+
+    pub fn bits(self) -> usize {
+        match self {
+            Self::Q8 => 8,
+            Self::Q4 => 4,
+        }
+    }
+
+    /// The scheme's name in block headers and namespaces.
+    pub fn scheme(self) -> &'static str {
+        match self {
+            Self::Q8 => "affine-q8-g64",
+            Self::Q4 => "affine-q4-g64",
+        }
+    }
+
+    /// Encoded bytes of one group.
+    fn group_bytes(self) -> usize {
+        8 + GROUP * self.bits() / 8
+    }
+
+    /// Encoded bytes of `values` values (a multiple of the group size).
+    pub fn encoded_len(self, values: usize) -> usize {
+        values / GROUP * self.group_bytes()
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum QuantError {
+    #[error("head_dim {0} is not a multiple of the quantisation group ({GROUP})")]
+    Group(usize),
+    #[error("{0} bytes are not whole {1:?} values in groups of {GROUP}")]
+    Length(usize, Dtype),
+    #[error("KV dtype {0:?} cannot be quantised")]
+    Dtype(Dtype),
+}
+
+/// Whether blocks of this head size can be quantised.
+pub fn supports(head_dim: usize) -> Result<(), QuantError> {
+    if head_dim == 0 || !head_dim.is_multiple_of(GROUP) {
+        return Err(QuantError::Group(head_dim));
+    }
+    Ok(())
+}
+
+fn element_bytes(dtype: Dtype) -> Result<usize, QuantError> {
+    match dtype {
+        Dtype::Float32 => Ok(4),
+        Dtype::Float16 | Dtype::Bfloat16 => Ok(2),
+        other => Err(QuantError::Dtype(other)),
+    }
+}
+
+fn read(dtype: Dtype, b: &[u8]) -> f32 {
+    match dtype {
+        Dtype::Float16 => half::f16::from_le_bytes([b[0], b[1]]).to_f32(),
+        Dtype::Bfloat16 => half::bf16::from_le_bytes([b[0], b[1]]).to_f32(),
+        _ => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+    }
+}
+
+fn write(dtype: Dtype, v: f32, out: &mut Vec<u8>) {
+    match dtype {
+        Dtype::Float16 => out.extend_from_slice(&half::f16::from_f32(v).to_le_bytes()),
+        Dtype::Bfloat16 => out.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
+        _ => out.extend_from_slice(&v.to_le_bytes()),
+    }
+}
+
+/// Quantises KV bytes of `dtype` (any layout whose rows are head_dim long: groups never cross
+/// a row when head_dim is a multiple of the group).
+pub fn encode(q: KvQuant, dtype: Dtype, bytes: &[u8]) -> Result<Vec<u8>, QuantError> {
+    let elem = element_bytes(dtype)?;
+    if !bytes.len().is_multiple_of(elem * GROUP) {
+        return Err(QuantError::Length(bytes.len(), dtype));
+    }
+    let levels = ((1u32 << q.bits()) - 1) as f32;
+    let mut out = Vec::with_capacity(q.encoded_len(bytes.len() / elem));
+    let mut values = [0f32; GROUP];
+    for group in bytes.chunks_exact(elem * GROUP) {
+        for (v, b) in values.iter_mut().zip(group.chunks_exact(elem)) {
+            *v = read(dtype, b);
+        }
+        let min = values.iter().copied().fold(f32::INFINITY, f32::min);
+        let max = values.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let scale = if max > min { (max - min) / levels } else { 0.0 };
+        out.extend_from_slice(&scale.to_le_bytes());
+        out.extend_from_slice(&min.to_le_bytes());
+        let code = |v: f32| -> u8 {
+            if scale == 0.0 {
+                0
+            } else {
+                ((v - min) / scale).round().clamp(0.0, levels) as u8
+            }
+        };
+        match q {
+            KvQuant::Q8 => out.extend(values.iter().map(|&v| code(v))),
+            KvQuant::Q4 => out.extend(
+                values
+                    .chunks_exact(2)
+                    .map(|pair| code(pair[0]) | (code(pair[1]) << 4)),
+            ),
+        }
+    }
+    Ok(out)
+}
+
+/// Expands quantised bytes back to `dtype` values.
+pub fn decode(q: KvQuant, dtype: Dtype, bytes: &[u8]) -> Result<Vec<u8>, QuantError> {
+    let elem = element_bytes(dtype)?;
+    let group_bytes = q.group_bytes();
+    if !bytes.len().is_multiple_of(group_bytes) {
+        return Err(QuantError::Length(bytes.len(), dtype));
+    }
+    let mut out = Vec::with_capacity(bytes.len() / group_bytes * GROUP * elem);
+    for group in bytes.chunks_exact(group_bytes) {
+        let scale = f32::from_le_bytes([group[0], group[1], group[2], group[3]]);
+        let min = f32::from_le_bytes([group[4], group[5], group[6], group[7]]);
+        let codes = &group[8..];
+        match q {
+            KvQuant::Q8 => {
+                for &c in codes {
+                    write(dtype, min + f32::from(c) * scale, &mut out);
+                }
+            }
+            KvQuant::Q4 => {
+                for &c in codes {
+                    write(dtype, min + f32::from(c & 0x0f) * scale, &mut out);
+                    write(dtype, min + f32::from(c >> 4) * scale, &mut out);
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn f32_bytes(values: &[f32]) -> Vec<u8> {
+        values.iter().flat_map(|v| v.to_le_bytes()).collect()
+    }
+
+    fn f32_values(bytes: &[u8]) -> Vec<f32> {
+        bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()
+    }
+
+    #[test]
+    fn round_trips_within_half_a_step_and_shrinks() {
+        let values: Vec<f32> = (0..4 * GROUP)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+            .collect();
+        let bytes = f32_bytes(&values);
+        for q in [KvQuant::Q8, KvQuant::Q4] {
+            let packed = encode(q, Dtype::Float32, &bytes).unwrap();
+            assert_eq!(packed.len(), q.encoded_len(values.len()));
+            let back = f32_values(&decode(q, Dtype::Float32, &packed).unwrap());
+            for (g, (orig, got)) in values.chunks(GROUP).zip(back.chunks(GROUP)).enumerate() {
+                let min = orig.iter().copied().fold(f32::INFINITY, f32::min);
+                let max = orig.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let step = (max - min) / ((1u32 << q.bits()) - 1) as f32;
+                for (a, b) in orig.iter().zip(got) {
+                    assert!(
+                        (a - b).abs() <= step / 2.0 + 1e-5,
+                        "group {g}: {a} vs {b} ({q:?})"
+                    );
+                }
+            }
+        }
+        // f32: 256 bytes per group become 72 (8-bit) and 40 (4-bit).
+        assert_eq!(KvQuant::Q8.encoded_len(GROUP), 72);
+        assert_eq!(KvQuant::Q4.encoded_len(GROUP), 40);
+    }
+
+    #[test]
+    fn constant_groups_and_half_precision_survive() {
+        let bytes: Vec<u8> = (0..GROUP)
+            .flat_map(|_| half::f16::from_f32(1.5).to_le_bytes())
+            .collect();
+        let packed = encode(KvQuant::Q4, Dtype::Float16, &bytes).unwrap();
+        assert_eq!(decode(KvQuant::Q4, Dtype::Float16, &packed).unwrap(), bytes);
+    }
+
+    #[test]
+    fn bad_sizes_and_settings_are_errors() {
+        assert!(encode(KvQuant::Q8, Dtype::Float32, &[0u8; 10]).is_err());
+        assert!(decode(KvQuant::Q8, Dtype::Float32, &[0u8; 71]).is_err());
+        assert!(supports(96).is_err() && supports(64).is_ok() && supports(128).is_ok());
+        assert!(KvQuant::from_bits(3).is_err());
+        assert_eq!(KvQuant::from_bits(16), Ok(None));
+    }
+}
