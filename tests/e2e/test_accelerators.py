@@ -284,3 +284,87 @@ def test_quantised_kv_blocks_never_mix_with_full_precision_ones(cluster, oai):
     assert abs(ratio - 256 / 72) < 0.01, ratio
     assert "affine-q8-g64" in admin_features(cluster, "q8")["kv_quantization"]
     assert admin_features(cluster, "plain")["kv_quantization"].startswith("off")
+
+
+def document(fact_at=20, sentences=70):
+    filler = ["The weather was calm and the sea was quiet.",
+              "Birds flew over the old harbour walls.",
+              "A merchant counted coins in the market square.",
+              "The bells rang twice at noon."]
+    out = []
+    for i in range(sentences):
+        out.append(filler[(i * 7) % len(filler)])
+        if i == fact_at:
+            out.append("The vault code is 4821.")
+    return " ".join(out) + "\n\nWhat is the vault code?"
+
+
+def test_prompt_pruning_is_opt_in_reported_and_refused_when_it_cannot_apply(cluster, oai, claude):
+    before = metric(cluster, "strata_pruned_prompt_tokens_total", model="spec")
+    full = oai.chat.completions.create(model="spec", temperature=0, max_tokens=12,
+                                       messages=[{"role": "user", "content": document()}])
+    assert "strata_prompt_pruning" not in full.model_extra
+    r = oai.chat.completions.with_raw_response.create(
+        model="spec", temperature=0, max_tokens=12,
+        messages=[{"role": "user", "content": document()}],
+        extra_body={"prompt_pruning": {"keep_ratio": 0.3}, "cache_salt": "prune"})
+    pruned = r.parse()
+    report = pruned.model_extra["strata_prompt_pruning"]
+    prompt = pruned.usage.prompt_tokens
+    assert report["pruned_tokens"] + report["prefilled_tokens"] == prompt
+    # 30% kept, in chunks of 32, with the first chunk and the last 64 tokens always in.
+    assert 0.3 * prompt <= report["prefilled_tokens"] <= 0.3 * prompt + 32 + 64
+    # The pruned prompt's KV is not the prompt's: nothing cached is used or stored for it.
+    assert pruned.usage.prompt_tokens_details.cached_tokens == 0
+    assert pruned.choices[0].message.content
+    assert metric(cluster, "strata_pruned_prompt_tokens_total", model="spec") - before \
+        == report["pruned_tokens"]
+    # The Anthropic API takes it too.
+    m = claude.messages.create(model="spec", max_tokens=8,
+                               messages=[{"role": "user", "content": document()}],
+                               extra_body={"temperature": 0,
+                                           "prompt_pruning": {"keep_ratio": 0.5}})
+    assert m.model_extra["strata_prompt_pruning"]["pruned_tokens"] > 0
+
+    # Asked for where it cannot apply: said so, never silently ignored.
+    _, r = chat(oai, "plain", document(), extra_body={"prompt_pruning": {"keep_ratio": 0.3}})
+    w = {x["feature"]: x["message"] for x in r.model_extra["strata_warnings"]}
+    assert "no draft model" in w["prompt_pruning"]
+    _, r = chat(oai, "spec", "A short question?",
+                extra_body={"prompt_pruning": {"keep_ratio": 0.3}})
+    w = {x["feature"]: x["message"] for x in r.model_extra["strata_warnings"]}
+    assert "pruning starts at 512" in w["prompt_pruning"]
+    assert metric(cluster, "strata_feature_not_applied_total", model="spec",
+                  feature="prompt_pruning") >= 1
+    assert admin_features(cluster, "spec")["prompt_pruning"].startswith("on request")
+    assert admin_features(cluster, "plain")["prompt_pruning"].startswith("off")
+
+    # A ratio outside (0, 1] is the request's error, in each API's shape.
+    for bad in (0, 1.5, "half"):
+        status, _, body = raw_post(cluster, "/v1/chat/completions", {
+            "model": "spec", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+            "prompt_pruning": {"keep_ratio": bad}})
+        assert status == 400 and body["error"]["type"] == "invalid_request_error", body
+    status, _, body = raw_post(cluster, "/v1/messages", {
+        "model": "spec", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+        "prompt_pruning": {"keep_ratio": 2}})
+    assert status == 400 and body["type"] == "error", body
+
+
+def test_a_cache_service_that_does_not_answer_is_reported_not_hidden(cluster, oai):
+    import os
+    import signal
+    status, health = cluster.health()
+    kv = {c["name"]: c for c in health["children"]}["kvcache"]
+    os.kill(kv["pid"], signal.SIGSTOP)
+    try:
+        headers, r = chat(oai, "plain", "Tell me about lighthouses.",
+                          extra_body={"cache_salt": f"stopped-{time.time()}"})
+    finally:
+        os.kill(kv["pid"], signal.SIGCONT)
+    assert r.choices[0].message.content
+    w = {x["feature"]: x["message"] for x in r.model_extra["strata_warnings"]}
+    assert "did not answer the lookup" in w["prefix_cache"], w
+    assert "prefix_cache: " in headers["x-strata-warnings"]
+    assert metric(cluster, "strata_feature_not_applied_total", model="plain",
+                  feature="prefix_cache") >= 1

@@ -43,6 +43,8 @@ pub struct MessagesRequest {
     /// for, with `strata_warnings` saying so when it cannot apply) [default: the model's
     /// configuration].
     speculative_decoding: Option<bool>,
+    /// Strata's extension: SpecPrefill, `{"keep_ratio": 0.3}`.
+    prompt_pruning: Option<generation::PromptPruning>,
 }
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
@@ -341,6 +343,8 @@ pub async fn messages(
         cache_salt: super::cache_salt(tenant.as_deref(), req.cache_salt.as_deref()),
         constraint: tool_use.as_ref().and_then(ToolUse::constraint),
         speculative: req.speculative_decoding,
+        prune_keep_ratio: generation::keep_ratio(req.prompt_pruning.as_ref())
+            .map_err(|e| e.flavor(FLAVOR))?,
     };
     let stream = generation::start(&state, &model, worker_req, FLAVOR).await?;
     let id = response_id("msg_");

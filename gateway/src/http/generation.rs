@@ -252,6 +252,30 @@ pub fn finish(done: &pb::GenerateDone) -> pb::FinishReason {
     pb::FinishReason::try_from(done.finish_reason).unwrap_or(pb::FinishReason::Unspecified)
 }
 
+/// Strata's extension: SpecPrefill-style prompt pruning. The draft model scores the prompt
+/// and only `keep_ratio` of it is prefilled; the answer can differ from a full prefill's.
+#[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PromptPruning {
+    /// The fraction of the prompt to prefill, in (0, 1].
+    pub keep_ratio: f32,
+}
+
+/// The keep ratio a request asks for, checked.
+pub fn keep_ratio(p: Option<&PromptPruning>) -> Result<Option<f32>, ApiError> {
+    match p {
+        None => Ok(None),
+        Some(p) if p.keep_ratio.is_finite() && p.keep_ratio > 0.0 && p.keep_ratio <= 1.0 => {
+            Ok(Some(p.keep_ratio))
+        }
+        Some(p) => Err(ApiError::invalid(format!(
+            "prompt_pruning.keep_ratio must be in (0, 1], got {}",
+            p.keep_ratio
+        ))
+        .param("prompt_pruning.keep_ratio")),
+    }
+}
+
 /// The header that lists optional features asked for and not (fully) applied, as
 /// `feature: message` entries separated by "; " (non-streaming responses; streams carry the
 /// same in their last event's `strata_warnings`).
@@ -271,6 +295,16 @@ pub fn annotate(body: &mut serde_json::Value, done: &pb::GenerateDone) {
                 .iter()
                 .map(|n| serde_json::json!({"feature": n.feature, "message": n.message}))
                 .collect(),
+        );
+    }
+    if done.pruned_prompt_tokens > 0 {
+        let prompt = done.usage.map_or(0, |u| u.prompt_tokens);
+        obj.insert(
+            "strata_prompt_pruning".into(),
+            serde_json::json!({
+                "pruned_tokens": done.pruned_prompt_tokens,
+                "prefilled_tokens": prompt.saturating_sub(done.pruned_prompt_tokens),
+            }),
         );
     }
     if let Some(s) = &done.speculation {

@@ -114,6 +114,8 @@ impl GenerationMeter {
             counter!("strata_feature_not_applied_total", "model" => self.model.clone(), "feature" => n.feature.clone())
                 .increment(1);
         }
+        counter!("strata_pruned_prompt_tokens_total", &model)
+            .increment(u64::from(done.pruned_prompt_tokens));
         if let Some(s) = &done.speculation {
             counter!("strata_speculative_drafted_tokens_total", &model)
                 .increment(u64::from(s.drafted));

@@ -61,6 +61,8 @@ pub struct Common {
     /// for, with `strata_warnings` saying so when it cannot apply) [default: the model's
     /// configuration].
     speculative_decoding: Option<bool>,
+    /// Strata's extension: SpecPrefill, `{"keep_ratio": 0.3}` (see `PromptPruning`).
+    prompt_pruning: Option<super::generation::PromptPruning>,
     /// Strata's extension: extra prefill chunk ends (token positions), to reproduce exactly
     /// the arithmetic of a run that resumed from a cached partial block (verification).
     #[serde(default)]
@@ -167,6 +169,7 @@ impl Common {
             prefill_breaks: self.prefill_breaks.clone(),
             constraint: None,
             speculative: self.speculative_decoding,
+            prune_keep_ratio: super::generation::keep_ratio(self.prompt_pruning.as_ref())?,
         })
     }
 }

@@ -45,6 +45,8 @@ pub struct ResponsesRequest {
     cache_salt: Option<String>,
     /// Extension, as on chat completions: speculative decoding for this request.
     speculative_decoding: Option<bool>,
+    /// Extension, as on chat completions: SpecPrefill, `{"keep_ratio": 0.3}`.
+    prompt_pruning: Option<generation::PromptPruning>,
 }
 
 /// The request's input items as chat messages (OpenAI chat shape).
@@ -244,6 +246,7 @@ pub async fn create(
         prefill_breaks: Vec::new(),
         constraint,
         speculative: req.speculative_decoding,
+        prune_keep_ratio: generation::keep_ratio(req.prompt_pruning.as_ref())?,
     };
     let stream = generation::start(&state, &model, worker_req, FLAVOR).await?;
     let shell = Shell {

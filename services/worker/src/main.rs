@@ -115,6 +115,10 @@ enum Command {
         /// Print the generated token ids and timings after the text.
         #[arg(long)]
         verbose: bool,
+        /// SpecPrefill: prefill only this fraction of the prompt, chosen by the draft model
+        /// (needs --draft-model).
+        #[arg(long)]
+        prune_keep_ratio: Option<f32>,
     },
     /// Measure prefill and decode speed on given prompts (ids from a JSON file: a list of
     /// lists of token ids); prints one JSON line per prompt. Driven by scripts/bench_engine.py.
@@ -287,6 +291,7 @@ fn main() -> anyhow::Result<()> {
             seed,
             stop,
             verbose,
+            prune_keep_ratio,
         } => {
             let loaded = model.open(&info.device)?;
             let text = if chat {
@@ -316,6 +321,7 @@ fn main() -> anyhow::Result<()> {
                 images: Vec::new(),
                 grammar: None,
                 speculative: None,
+                prune_keep_ratio,
             };
             use std::io::Write;
             let mut stdout = std::io::stdout();
@@ -345,6 +351,12 @@ fn main() -> anyhow::Result<()> {
                         s.drafted,
                         s.accepted,
                         100.0 * s.accepted as f64 / s.drafted.max(1) as f64
+                    );
+                }
+                if generation.pruned_tokens > 0 {
+                    println!(
+                        "prompt pruning: {} of {} prompt tokens left out of the prefill",
+                        generation.pruned_tokens, generation.prompt_tokens
                     );
                 }
                 for n in &generation.notices {
@@ -596,6 +608,16 @@ fn serving(
                 d.tokens
             ),
             None => "off (no draft model configured)".into(),
+        },
+    ));
+    features.push((
+        strata_worker::engine::spec_prefill::FEATURE.into(),
+        match &loaded.draft {
+            Some(_) => format!(
+                "on request (\"prompt_pruning\": {{\"keep_ratio\": r}}; prompts of {}+ tokens: the draft scores them, the target prefills the kept chunks; answers may differ, the cache is not used for them)",
+                strata_worker::engine::spec_prefill::MIN_PROMPT_TOKENS
+            ),
+            None => "off (no draft model to score prompts with; requests asking for it get a notice)".into(),
         },
     ));
     // Structured output: the token table for the grammar engine, built once.

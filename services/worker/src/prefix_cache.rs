@@ -208,6 +208,9 @@ pub struct Prepared {
     /// Where the cached tokens came from.
     pub tiers: Tiers,
     pub sink: BlockSinkFn,
+    /// Why the cache service's blocks were not used, when it failed or was skipped (for the
+    /// response: a fallback is never silent).
+    pub notice: Option<String>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -354,6 +357,7 @@ impl PrefixCache {
         let remote = self
             .fetch(prompt, &keys[..reusable], in_l0, l0_partial_tokens)
             .await;
+        let notice = remote.notice.clone();
         let mut l0 = lock(&self.l0);
         for (i, (bytes, tier)) in remote.blocks.into_iter().enumerate() {
             tiers.add(tier, b);
@@ -389,6 +393,7 @@ impl PrefixCache {
             cached: self.expand(cached),
             tiers,
             sink: self.sink(prompt, keys),
+            notice,
         }
     }
 
@@ -600,6 +605,10 @@ impl PrefixCache {
             Err(e) => {
                 self.stats.lookup_failures.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(error = %e.message(), "cache service lookup failed; computing the prompt");
+                out.notice = Some(format!(
+                    "the cache service did not answer the lookup ({}): its blocks were not used and the prompt was computed",
+                    e.message()
+                ));
                 return out;
             }
         };
@@ -655,6 +664,9 @@ impl PrefixCache {
                 bytes,
                 "cached blocks not fetched: recomputing them is estimated to be faster"
             );
+            out.notice = Some(format!(
+                "{tokens} cached tokens were not fetched from the cache service: recomputing them was estimated to be faster"
+            ));
             return out;
         }
         // Generous for big prefixes, bounded for a stuck service: 1 s plus 100 ms per block.
@@ -675,6 +687,9 @@ impl PrefixCache {
             Err(e) => {
                 self.stats.lookup_failures.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(error = %e, "cache service fetch failed; computing the prompt");
+                out.notice = Some(format!(
+                    "fetching {tokens} cached tokens from the cache service failed ({e}): the prompt was computed"
+                ));
                 return out;
             }
         };
@@ -737,6 +752,8 @@ struct Remote {
     blocks: Vec<(Bytes, Tier)>,
     /// (payload, tokens, key, tier)
     partial: Option<(Bytes, usize, BlockKey, Tier)>,
+    /// Why the service's blocks were not used, if it failed or the fetch was skipped.
+    notice: Option<String>,
 }
 
 /// Sends stored blocks to the cache service, as many per Store call as are waiting.

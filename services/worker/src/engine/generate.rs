@@ -37,6 +37,9 @@ pub struct GenerateRequest {
     /// Speculative decoding: None follows the model's configuration (on when it has a
     /// draft), false turns it off, true asks for it (a notice says when it cannot apply).
     pub speculative: Option<bool>,
+    /// SpecPrefill: prefill only this fraction of the prompt, chosen by the draft model
+    /// (None: the whole prompt). Changes outputs by design; opt-in.
+    pub prune_keep_ratio: Option<f32>,
 }
 
 impl GenerateRequest {
@@ -52,6 +55,7 @@ impl GenerateRequest {
             images: Vec::new(),
             grammar: None,
             speculative: None,
+            prune_keep_ratio: None,
         }
     }
 }
@@ -107,6 +111,8 @@ pub struct Generation {
     pub notices: Vec<Notice>,
     /// How speculative decoding went, when it ran.
     pub speculation: Option<super::speculative::SpecStats>,
+    /// Prompt tokens SpecPrefill left out of the target's prefill.
+    pub pruned_tokens: usize,
 }
 
 /// KV blocks a cache holds for the prompt's leading full blocks, and where the blocks this
@@ -172,6 +178,9 @@ impl LoadedModel {
             return invalid(format!(
                 "token id {bad} is outside the vocabulary of {vocab}"
             ));
+        }
+        if let Some(ratio) = req.prune_keep_ratio {
+            super::spec_prefill::validate_ratio(ratio).map_err(EngineError::InvalidRequest)?;
         }
         req.sampling.validate().map_err(EngineError::InvalidRequest)
     }

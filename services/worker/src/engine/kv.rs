@@ -45,6 +45,8 @@ pub struct KvCache {
     len: usize,
     capacity: usize,
     step_tokens: usize,
+    /// Prompt positions skipped (SpecPrefill): the next token's position is `len + skipped`.
+    skipped: usize,
 }
 
 impl KvCache {
@@ -55,6 +57,7 @@ impl KvCache {
             len: 0,
             capacity: 0,
             step_tokens: step_tokens.max(1),
+            skipped: 0,
         }
     }
 
@@ -65,6 +68,22 @@ impl KvCache {
     /// Tokens held.
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Tokens the buffers grow by.
+    pub fn step_tokens(&self) -> usize {
+        self.step_tokens
+    }
+
+    /// The position (for RoPE) of the next token: tokens held plus positions skipped.
+    pub fn position(&self) -> usize {
+        self.len + self.skipped
+    }
+
+    /// Skips `n` positions: the next token is placed as if `n` more had been held. Pruned
+    /// prompt tokens keep the positions of the full prompt this way.
+    pub fn skip(&mut self, n: usize) {
+        self.skipped += n;
     }
 
     pub fn is_empty(&self) -> bool {

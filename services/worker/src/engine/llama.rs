@@ -94,6 +94,43 @@ pub struct Model {
     layers: Vec<Layer>,
 }
 
+/// What a forward pass returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outputs {
+    /// Logits after each sequence's last new token.
+    LastLogits,
+    /// Logits after every new token (one sequence).
+    AllLogits,
+    /// Attention weights of the new tokens over all positions (one sequence).
+    AttentionScores,
+}
+
+/// Softmax attention weights of queries `q` (`[1, heads, t, dim]`, RoPE applied) over `keys`
+/// (`[1, kv_heads, held + t, dim]`), causal, averaged over heads and queries: `[held + t]`.
+/// Grouped-query heads share their KV head, as in attention itself.
+fn attention_weights(q: &Array, keys: &Array, held: i32, scale: f32) -> Result<Array> {
+    let (heads, t, dim) = (q.shape()[1], q.shape()[2], q.shape()[3]);
+    let kv_heads = keys.shape()[1];
+    let positions = keys.shape()[2];
+    let group = heads / kv_heads;
+    let q = q.reshape(&[1, kv_heads, group * t, dim])?;
+    let scores = q
+        .matmul(&keys.transpose_axes(&[0, 1, 3, 2])?)?
+        .multiply(Array::from_f32(scale))?;
+    // Row r is query r % t, at position held + r % t: it sees keys up to there.
+    let rows = (group * t) as usize;
+    let mut mask = vec![0f32; rows * positions as usize];
+    for r in 0..rows {
+        let last = (held + (r as i32 % t)) as usize;
+        for m in &mut mask[r * positions as usize + last + 1..(r + 1) * positions as usize] {
+            *m = f32::NEG_INFINITY;
+        }
+    }
+    let mask = Array::from_slice(&mask, &[group * t, positions]);
+    let weights = mlx_rs::ops::softmax_axis(scores.add(&mask)?, -1, true)?;
+    Ok(weights.mean_axes(&[0, 1, 2], false)?)
+}
+
 /// One sequence's part of a ragged batch: its new tokens and its cache.
 pub struct SeqChunk<'a> {
     pub tokens: &'a [u32],
@@ -195,7 +232,7 @@ impl Model {
             .flat_map(|s| s.tokens.iter().copied())
             .collect();
         let x = self.embed_tokens(&ids)?;
-        self.layers_and_head(x, batch, false)
+        self.layers_and_head(x, batch, Outputs::LastLogits)
     }
 
     /// One sequence's new tokens through the model, returning the logits after *every* new
@@ -204,7 +241,18 @@ impl Model {
         let mut batch = [seq];
         self.check(&batch)?;
         let x = self.embed_tokens(batch[0].tokens)?;
-        self.layers_and_head(x, &mut batch, true)
+        self.layers_and_head(x, &mut batch, Outputs::AllLogits)
+    }
+
+    /// One sequence's new tokens through the model (their KV appended as usual), returning
+    /// how much attention they pay to every position held: softmax weights averaged over
+    /// heads, the new tokens and layers (`[positions]`, f32). SpecPrefill scores prompt tokens
+    /// with this; no logits are computed.
+    pub fn attention_to_positions(&self, seq: SeqChunk<'_>) -> Result<Array> {
+        let mut batch = [seq];
+        self.check(&batch)?;
+        let x = self.embed_tokens(batch[0].tokens)?;
+        self.layers_and_head(x, &mut batch, Outputs::AttentionScores)
     }
 
     /// The input embeddings `[N, D]` of token ids (unchecked: `forward` validates them).
@@ -217,7 +265,7 @@ impl Model {
     /// callers that put other rows there, such as a VLM's image features.
     pub fn forward_embedded(&self, x: Array, batch: &mut [SeqChunk<'_>]) -> Result<Array> {
         self.check(batch)?;
-        self.layers_and_head(x, batch, false)
+        self.layers_and_head(x, batch, Outputs::LastLogits)
     }
 
     /// Every sequence has tokens, fits the context and names only vocabulary ids.
@@ -249,7 +297,7 @@ impl Model {
         &self,
         x: Array,
         batch: &mut [SeqChunk<'_>],
-        all_positions: bool,
+        want: Outputs,
     ) -> Result<Array> {
         let c = &self.config;
         let mut x = x;
@@ -264,6 +312,7 @@ impl Model {
 
         let (h, hk, hd) = (c.num_heads as i32, c.num_kv_heads as i32, c.head_dim as i32);
         let scale = 1.0 / (c.head_dim as f32).sqrt();
+        let mut attention: Option<Array> = None;
         for (li, layer) in self.layers.iter().enumerate() {
             let normed = fast::rms_norm(&x, Some(&layer.attn_norm), c.rms_norm_eps)?;
             let q = layer.q.forward(&normed)?;
@@ -282,7 +331,8 @@ impl Model {
                 let heads = |a: Array, n: i32| -> Result<Array> {
                     Ok(a.reshape(&[1, t, n, hd])?.transpose_axes(&[0, 2, 1, 3])?)
                 };
-                let offset = seq.cache.len() as i32;
+                let held = seq.cache.len() as i32;
+                let offset = seq.cache.position() as i32;
                 let q = self.rope(&heads(rows(&q)?, h)?, offset)?;
                 let k = self.rope(&heads(rows(&k)?, hk)?, offset)?;
                 let v = heads(rows(&v)?, hk)?;
@@ -292,6 +342,13 @@ impl Model {
                 } else {
                     (keys.as_dtype(q.dtype())?, values.as_dtype(q.dtype())?)
                 };
+                if want == Outputs::AttentionScores {
+                    let weights = attention_weights(&q, &keys, held, scale)?;
+                    attention = Some(match attention.take() {
+                        Some(sum) => sum.add(&weights)?,
+                        None => weights,
+                    });
+                }
                 let mask = (t > 1).then_some(ScaledDotProductAttentionMask::Causal);
                 let attn =
                     fast::scaled_dot_product_attention(&q, &keys, &values, scale, mask, None)?;
@@ -313,8 +370,11 @@ impl Model {
         for (seq, &(start, end)) in batch.iter_mut().zip(&ranges) {
             seq.cache.advance((end - start) as usize);
         }
+        if let Some(sum) = attention {
+            return Ok(sum.divide(Array::from_f32(self.layers.len() as f32))?);
+        }
 
-        let x = if all_positions {
+        let x = if want == Outputs::AllLogits {
             x
         } else {
             let last: Vec<i32> = ranges.iter().map(|&(_, end)| end - 1).collect();

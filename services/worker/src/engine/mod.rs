@@ -14,6 +14,7 @@ pub mod multimodal;
 pub mod policy;
 pub mod sample;
 pub mod sequence;
+pub mod spec_prefill;
 pub mod speculative;
 pub mod weights;
 

@@ -14,6 +14,7 @@ use super::llama::SeqChunk;
 use super::loader::LoadedModel;
 use super::multimodal;
 use super::sample::{Sampled, Sampler};
+use super::spec_prefill;
 use super::speculative::{self, Plan, Speculation};
 use super::{EngineError, Result};
 use crate::tokenizer::StreamDecoder;
@@ -76,6 +77,10 @@ pub struct Sequence {
     spec: Option<Speculation>,
     /// Features asked for that did not (fully) apply.
     notices: Vec<Notice>,
+    /// SpecPrefill: the keep ratio until the draft has chosen, then the prompt ranges the
+    /// target prefills.
+    prune: Option<f32>,
+    kept: Option<Vec<std::ops::Range<usize>>>,
 }
 
 impl Sequence {
@@ -104,6 +109,21 @@ impl Sequence {
                 ));
             }
         };
+        let mut notices = Vec::new();
+        let prune = match spec_prefill::plan(model, &req) {
+            spec_prefill::Plan::Keep(ratio) => Some(ratio),
+            spec_prefill::Plan::NotApplied(why) => {
+                tracing::info!(feature = spec_prefill::FEATURE, "not applied: {why}");
+                notices.push(Notice {
+                    feature: spec_prefill::FEATURE.into(),
+                    message: format!("not applied: {why}"),
+                });
+                None
+            }
+            spec_prefill::Plan::Off => None,
+        };
+        // A pruned prompt's KV is not the prompt's: nothing cached is used for it.
+        let cached = if prune.is_some() { &[][..] } else { cached };
         let block = model.block_tokens;
         let body = req.prompt.len() - 1;
         let mut cache = model.model.new_cache(options.kv_step_tokens);
@@ -124,10 +144,15 @@ impl Sequence {
         let mut imported = covered;
         if let Err(e) = cache.import_all(&usable) {
             tracing::warn!(error = %e, "cached KV does not fit this model; computing the prompt");
+            notices.push(Notice {
+                feature: "prefix_cache".into(),
+                message: format!(
+                    "the cached KV did not fit this model ({e}): the prompt was computed"
+                ),
+            });
             cache = model.model.new_cache(options.kv_step_tokens);
             imported = 0;
         }
-        let mut notices = Vec::new();
         let spec = match (speculative::plan(model, &req), &model.draft) {
             (Plan::On, Some(draft)) => Some(Speculation::new(draft, options.kv_step_tokens)),
             (Plan::NotApplied(why), _) => {
@@ -165,6 +190,8 @@ impl Sequence {
             image_features: None,
             spec,
             notices,
+            prune,
+            kept: None,
             req,
         })
     }
@@ -196,6 +223,9 @@ impl Sequence {
     /// bit for bit. The last token always runs alone, so that a prompt whose body is fully
     /// cached, partial tail included, computes just one token before its first output.
     pub fn prefill_step(&mut self, model: &LoadedModel, on_block: BlockSink<'_>) -> Result<()> {
+        if self.prune.is_some() {
+            return self.pruned_prefill_step(model);
+        }
         let at = self.prefilled;
         let len = self.req.prompt.len();
         let body = len - 1;
@@ -264,6 +294,50 @@ impl Sequence {
         Ok(())
     }
 
+    /// SpecPrefill: the first step lets the draft choose the chunks to keep; each step then
+    /// prefills the next kept chunk at its own positions, skipping the positions between.
+    /// Nothing goes to the prefix cache.
+    fn pruned_prefill_step(&mut self, model: &LoadedModel) -> Result<()> {
+        let len = self.req.prompt.len();
+        if self.kept.is_none() {
+            let (Some(ratio), Some(draft)) = (self.prune, &model.draft) else {
+                return Err(EngineError::Config("pruning without a draft".into()));
+            };
+            let (kept, draft_cache) = spec_prefill::select(
+                draft,
+                &self.req.prompt,
+                ratio,
+                self.chunk,
+                self.cache.step_tokens(),
+            )?;
+            // The draft now holds the whole prompt: speculative decoding goes on from there.
+            if let Some(spec) = self.spec.as_mut() {
+                spec.adopt_cache(draft_cache);
+            }
+            self.kept = Some(kept);
+        }
+        let at = self.prefilled;
+        let run = self
+            .kept
+            .as_ref()
+            .and_then(|k| k.iter().find(|r| r.end > at).cloned())
+            .ok_or_else(|| EngineError::Config("pruned prefill past its last chunk".into()))?;
+        let start = at.max(run.start);
+        self.cache.skip(start - at);
+        let end = (start + self.chunk).min(run.end);
+        let out = model.model.forward(&mut [SeqChunk {
+            tokens: &self.req.prompt[start..end],
+            cache: &mut self.cache,
+        }])?;
+        out.eval()?;
+        self.prefilled = end;
+        if end == len {
+            self.prefill_logits = Some(out.as_slice::<f32>().to_vec());
+            self.prefill_time = Some(self.started.elapsed());
+        }
+        Ok(())
+    }
+
     /// The image feature rows of prompt positions `at..end`, or None when they hold no image
     /// position. Features of all the prompt's images are computed the first time.
     fn image_rows(&mut self, model: &LoadedModel, at: usize, end: usize) -> Result<Option<Array>> {
@@ -303,7 +377,7 @@ impl Sequence {
         let Some(sink) = on_block else {
             return Ok(());
         };
-        if !self.store_decode || self.needs_prefill() {
+        if !self.store_decode || self.needs_prefill() || self.kept.is_some() {
             return Ok(());
         }
         let b = self.block;
@@ -457,7 +531,8 @@ impl Sequence {
         let context = model.model.config().context_length;
         // Room for the drafted tokens and the one the target adds, within max_tokens and the
         // context (`tokens` already counts the pending token).
-        let room = (self.req.max_tokens - self.tokens.len()).min(context.saturating_sub(held + 1));
+        let room = (self.req.max_tokens - self.tokens.len())
+            .min(context.saturating_sub(self.cache.position() + 1));
         let k = draft.tokens.min(room.saturating_sub(1));
         let mut history = Vec::with_capacity(held + 1);
         history.extend_from_slice(&self.req.prompt);
@@ -492,15 +567,17 @@ impl Sequence {
         // The target keeps the fed token and the accepted drafts; the draft never holds more.
         self.cache.truncate(held + 1 + verdict.accepted);
         spec.cache_truncate(held + 1 + verdict.accepted);
+        let before = self.tokens.len();
         for token in verdict.tokens {
             self.take(model, speculative::plain(token), emit)?;
             if self.finish.is_some() {
                 break;
             }
         }
-        // A finish part-way leaves KV of tokens that were never output.
-        let output = self.req.prompt.len() + self.tokens.len().saturating_sub(1);
-        self.cache.truncate(output);
+        // A finish part-way leaves KV of tokens that were never output: keep the fed token
+        // and the taken ones but the last (the next to feed).
+        self.cache
+            .truncate(held + (self.tokens.len() - before).max(1));
         Ok(())
     }
 
@@ -525,9 +602,13 @@ impl Sequence {
                 message,
             });
         }
+        let pruned_tokens = self.kept.as_ref().map_or(0, |kept| {
+            self.req.prompt.len() - kept.iter().map(|r| r.len()).sum::<usize>()
+        });
         Ok(Generation {
             notices,
             speculation,
+            pruned_tokens,
             prompt_tokens: self.req.prompt.len(),
             tokens: self.tokens,
             text: self.text,

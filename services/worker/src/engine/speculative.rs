@@ -174,6 +174,11 @@ impl Speculation {
         }
     }
 
+    /// Takes over a draft cache that already holds the prompt (SpecPrefill's).
+    pub fn adopt_cache(&mut self, cache: KvCache) {
+        self.cache = cache;
+    }
+
     /// Forgets draft KV after `len` tokens (it never holds more than the target kept).
     pub fn cache_truncate(&mut self, len: usize) {
         self.cache.truncate(len);

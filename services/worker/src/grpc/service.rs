@@ -425,6 +425,7 @@ impl Worker for WorkerService {
             prefill_breaks: req.prefill_breaks.iter().map(|&b| b as usize).collect(),
             images,
             speculative: req.speculative,
+            prune_keep_ratio: req.prune_keep_ratio,
         };
         // Refuse what the engine would refuse, and what would not fit in memory, before
         // queueing it.
@@ -443,7 +444,9 @@ impl Worker for WorkerService {
                     }
                 }
             })?;
+        // A pruned prompt's KV is not the prompt's KV: it neither reads nor feeds the cache.
         let prepared = match &serving.prefix_cache {
+            Some(_) if request.prune_keep_ratio.is_some() => None,
             Some(pc) => Some(
                 pc.for_tenant(&salt)
                     .prepare(&key_tokens)
@@ -453,6 +456,20 @@ impl Worker for WorkerService {
             None => None,
         };
         let tiers = prepared.as_ref().map(|p| p.tiers).unwrap_or_default();
+        let cache_notice = prepared
+            .as_ref()
+            .and_then(|p| p.notice.clone())
+            .map(|message| {
+                tracing::info!(
+                    request_id,
+                    feature = "prefix_cache",
+                    "not applied: {message}"
+                );
+                pb::Notice {
+                    feature: "prefix_cache".into(),
+                    message,
+                }
+            });
         span.record("cached_l0", tiers.l0);
         span.record("cached_l1", tiers.l1);
         span.record("cached_l2", tiers.l2);
@@ -502,13 +519,13 @@ impl Worker for WorkerService {
                         }
                         result.map_err(engine_status).map(|g| GenerateEvent {
                             event: Some(generate_event::Event::Done(pb::GenerateDone {
-                                notices: g
-                                    .notices
+                                notices: cache_notice
                                     .iter()
-                                    .map(|n| pb::Notice {
+                                    .cloned()
+                                    .chain(g.notices.iter().map(|n| pb::Notice {
                                         feature: n.feature.clone(),
                                         message: n.message.clone(),
-                                    })
+                                    }))
                                     .collect(),
                                 speculation: g.speculation.map(|s| pb::Speculation {
                                     steps: s.steps as u32,
@@ -516,6 +533,7 @@ impl Worker for WorkerService {
                                     accepted: s.accepted as u32,
                                     batched_steps: s.batched_steps as u32,
                                 }),
+                                pruned_prompt_tokens: g.pruned_tokens as u32,
                                 finish_reason: finish_reason(g.finish) as i32,
                                 usage: Some(pb::Usage {
                                     prompt_tokens: g.prompt_tokens as u32,
@@ -732,6 +750,9 @@ fn validate(serving: &Serving, req: &GenerateRequest) -> Result<(), Status> {
             req.prompt.len(),
             req.max_tokens
         )));
+    }
+    if let Some(ratio) = req.prune_keep_ratio {
+        crate::engine::spec_prefill::validate_ratio(ratio).map_err(Status::invalid_argument)?;
     }
     req.sampling.validate().map_err(Status::invalid_argument)
 }
