@@ -324,7 +324,13 @@ impl Sequence {
             .ok_or_else(|| EngineError::Config("pruned prefill past its last chunk".into()))?;
         let start = at.max(run.start);
         self.cache.skip(start - at);
-        let end = (start + self.chunk).min(run.end);
+        // Chunks end where a full prefill's do (multiples of the chunk size, and before the
+        // last token, which runs alone), so that keeping everything is a full prefill.
+        let body = len - 1;
+        let mut end = ((start / self.chunk + 1) * self.chunk).min(run.end);
+        if start < body {
+            end = end.min(body);
+        }
         let out = model.model.forward(&mut [SeqChunk {
             tokens: &self.req.prompt[start..end],
             cache: &mut self.cache,
