@@ -127,9 +127,10 @@ pub struct ModelConfig {
     /// Tokens the draft proposes per step [default: the worker's, 4].
     #[serde(default)]
     pub draft_tokens: Option<usize>,
-    /// Bits per value of this model's cached KV blocks: 16 (as computed, the default), or 8
-    /// or 4 (quantised: fewer bytes in RAM and on SSD, hits close to but not bit-identical
-    /// with computing the prompt).
+    /// Bits per value of this model's cached KV blocks [default: as computed, 32 on CPU and
+    /// 16 on GPUs]: 16 (float16, for KV computed in float32), 8 or 4 (affine codes) store
+    /// fewer bytes in RAM and on SSD, and hits are then close to, not bit-identical with,
+    /// computing the prompt (see `strata-worker serve --kv-cache-bits`).
     #[serde(default)]
     pub kv_cache_bits: Option<u32>,
     /// Load when `strata up` starts even if not pinned [default: only pinned models start

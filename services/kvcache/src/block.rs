@@ -134,6 +134,7 @@ pub fn verify_header(h: &BlockHeader) -> Result<(), BlockError> {
     // not a panic or a wrapped number that could happen to match.
     let expected = match h.kv_quant.as_str() {
         "" => values.and_then(|v| v.checked_mul(elem)),
+        "f16" => values.and_then(|v| v.checked_mul(2)),
         scheme => {
             let bits = quant_bits(scheme).ok_or_else(|| BlockError::Quant(scheme.to_string()))?;
             if h.head_dim == 0 || u64::from(h.head_dim) % QUANT_GROUP != 0 {
@@ -310,6 +311,8 @@ mod tests {
         set(&mut b, "affine-q8-g64");
         assert!(verify(&b).is_ok());
         set(&mut b, "affine-q4-g64");
+        assert!(matches!(verify(&b), Err(BlockError::LayoutMismatch { .. })));
+        set(&mut b, "f16");
         assert!(matches!(verify(&b), Err(BlockError::LayoutMismatch { .. })));
         set(&mut b, "affine-q3-g64");
         assert!(matches!(verify(&b), Err(BlockError::Quant(_))));

@@ -1,7 +1,7 @@
 //! KV quantisation for cached blocks: 8-bit or 4-bit affine codes per group of values, as
 //! MLX's `quantize` lays them out (a scale and a minimum per group of 64 along head_dim), so
 //! that a block on SSD or in RAM takes about a quarter (8-bit) or an eighth (4-bit) of its
-//! f32 bytes. Blocks are quantised when stored and expanded back to the live dtype when
+//! f32 bytes; or float16 values (half the bytes of float32 KV). Blocks are quantised when stored and expanded back to the live dtype when
 //! imported; the live KV of a running sequence keeps full precision.
 //!
 //! Written here rather than with MLX's own `quantize`: block bytes live on the host (they
@@ -15,28 +15,34 @@ use mlx_rs::Dtype;
 /// Values per group: one scale and one minimum for each.
 pub const GROUP: usize = 64;
 
-/// A quantisation scheme for cached KV.
+/// A storage scheme for cached KV other than the live dtype.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KvQuant {
+    /// float16 values (for KV computed in float32: half the bytes, a rounding of each value).
+    F16,
     Q8,
     Q4,
 }
 
 impl KvQuant {
-    /// From a bit width: 16 (or 32) is no quantisation.
-    pub fn from_bits(bits: u32) -> Result<Option<Self>, String> {
+    /// The scheme for `bits` per cached value when KV is computed in `live`: None where that
+    /// is the live dtype itself (32 for float32, 16 for float16/bfloat16).
+    pub fn from_bits(bits: u32, live: Dtype) -> Result<Option<Self>, String> {
+        let live_bits = if live == Dtype::Float32 { 32 } else { 16 };
         match bits {
             8 => Ok(Some(Self::Q8)),
             4 => Ok(Some(Self::Q4)),
-            16 | 32 => Ok(None),
+            16 if live_bits == 32 => Ok(Some(Self::F16)),
+            b if b == live_bits => Ok(None),
             other => Err(format!(
-                "KV cache bits must be 4, 8 or 16 (full precision), got {other}"
+                "KV cache bits must be 4, 8, 16 or, for KV computed in float32, 32; got {other} (KV is computed in {live:?})"
             )),
         }
     }
 
     pub fn bits(self) -> usize {
         match self {
+            Self::F16 => 16,
             Self::Q8 => 8,
             Self::Q4 => 4,
         }
@@ -45,6 +51,7 @@ impl KvQuant {
     /// The scheme's name in block headers and namespaces.
     pub fn scheme(self) -> &'static str {
         match self {
+            Self::F16 => "f16",
             Self::Q8 => "affine-q8-g64",
             Self::Q4 => "affine-q4-g64",
         }
@@ -52,7 +59,10 @@ impl KvQuant {
 
     /// Encoded bytes of one group.
     fn group_bytes(self) -> usize {
-        8 + GROUP * self.bits() / 8
+        match self {
+            Self::F16 => 2 * GROUP,
+            _ => 8 + GROUP * self.bits() / 8,
+        }
     }
 
     /// Encoded bytes of `values` values (a multiple of the group size).
@@ -103,12 +113,28 @@ fn write(dtype: Dtype, v: f32, out: &mut Vec<u8>) {
     }
 }
 
+/// Values of `from` as `to` (whole values: callers check the length).
+fn convert(bytes: &[u8], from: Dtype, to: Dtype) -> Vec<u8> {
+    let (a, b) = (
+        element_bytes(from).unwrap_or(4),
+        element_bytes(to).unwrap_or(4),
+    );
+    let mut out = Vec::with_capacity(bytes.len() / a * b);
+    for v in bytes.chunks_exact(a) {
+        write(to, read(from, v), &mut out);
+    }
+    out
+}
+
 /// Quantises KV bytes of `dtype` (any layout whose rows are head_dim long: groups never cross
 /// a row when head_dim is a multiple of the group).
 pub fn encode(q: KvQuant, dtype: Dtype, bytes: &[u8]) -> Result<Vec<u8>, QuantError> {
     let elem = element_bytes(dtype)?;
     if !bytes.len().is_multiple_of(elem * GROUP) {
         return Err(QuantError::Length(bytes.len(), dtype));
+    }
+    if q == KvQuant::F16 {
+        return Ok(convert(bytes, dtype, Dtype::Float16));
     }
     let levels = ((1u32 << q.bits()) - 1) as f32;
     let mut out = Vec::with_capacity(q.encoded_len(bytes.len() / elem));
@@ -130,12 +156,12 @@ pub fn encode(q: KvQuant, dtype: Dtype, bytes: &[u8]) -> Result<Vec<u8>, QuantEr
             }
         };
         match q {
-            KvQuant::Q8 => out.extend(values.iter().map(|&v| code(v))),
             KvQuant::Q4 => out.extend(
                 values
                     .chunks_exact(2)
                     .map(|pair| code(pair[0]) | (code(pair[1]) << 4)),
             ),
+            _ => out.extend(values.iter().map(|&v| code(v))),
         }
     }
     Ok(out)
@@ -148,21 +174,24 @@ pub fn decode(q: KvQuant, dtype: Dtype, bytes: &[u8]) -> Result<Vec<u8>, QuantEr
     if !bytes.len().is_multiple_of(group_bytes) {
         return Err(QuantError::Length(bytes.len(), dtype));
     }
+    if q == KvQuant::F16 {
+        return Ok(convert(bytes, Dtype::Float16, dtype));
+    }
     let mut out = Vec::with_capacity(bytes.len() / group_bytes * GROUP * elem);
     for group in bytes.chunks_exact(group_bytes) {
         let scale = f32::from_le_bytes([group[0], group[1], group[2], group[3]]);
         let min = f32::from_le_bytes([group[4], group[5], group[6], group[7]]);
         let codes = &group[8..];
         match q {
-            KvQuant::Q8 => {
-                for &c in codes {
-                    write(dtype, min + f32::from(c) * scale, &mut out);
-                }
-            }
             KvQuant::Q4 => {
                 for &c in codes {
                     write(dtype, min + f32::from(c & 0x0f) * scale, &mut out);
                     write(dtype, min + f32::from(c >> 4) * scale, &mut out);
+                }
+            }
+            _ => {
+                for &c in codes {
+                    write(dtype, min + f32::from(c) * scale, &mut out);
                 }
             }
         }
@@ -207,6 +236,13 @@ mod tests {
                 }
             }
         }
+        // float16 of float32 KV: each value rounded to the nearest half.
+        let packed = encode(KvQuant::F16, Dtype::Float32, &bytes).unwrap();
+        assert_eq!(packed.len(), bytes.len() / 2);
+        let back = f32_values(&decode(KvQuant::F16, Dtype::Float32, &packed).unwrap());
+        for (a, b) in values.iter().zip(&back) {
+            assert_eq!(*b, half::f16::from_f32(*a).to_f32());
+        }
         // f32: 256 bytes per group become 72 (8-bit) and 40 (4-bit).
         assert_eq!(KvQuant::Q8.encoded_len(GROUP), 72);
         assert_eq!(KvQuant::Q4.encoded_len(GROUP), 40);
@@ -226,7 +262,13 @@ mod tests {
         assert!(encode(KvQuant::Q8, Dtype::Float32, &[0u8; 10]).is_err());
         assert!(decode(KvQuant::Q8, Dtype::Float32, &[0u8; 71]).is_err());
         assert!(supports(96).is_err() && supports(64).is_ok() && supports(128).is_ok());
-        assert!(KvQuant::from_bits(3).is_err());
-        assert_eq!(KvQuant::from_bits(16), Ok(None));
+        assert!(KvQuant::from_bits(3, Dtype::Float32).is_err());
+        assert_eq!(KvQuant::from_bits(32, Dtype::Float32), Ok(None));
+        assert_eq!(
+            KvQuant::from_bits(16, Dtype::Float32),
+            Ok(Some(KvQuant::F16))
+        );
+        assert_eq!(KvQuant::from_bits(16, Dtype::Float16), Ok(None));
+        assert!(KvQuant::from_bits(32, Dtype::Bfloat16).is_err());
     }
 }

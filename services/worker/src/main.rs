@@ -74,12 +74,14 @@ enum Command {
         /// with, computing it.
         #[arg(long)]
         store_decode_kv: bool,
-        /// Bits per value of cached KV blocks: 16 keeps the live dtype (hits are bit-identical
-        /// with computing the prompt); 8 or 4 store them quantised (about 3.6x or 6.4x fewer
-        /// bytes than float32 in RAM, on the wire and on SSD; hits are then close, not
-        /// identical). Quantised blocks live under their own namespace.
-        #[arg(long, default_value_t = 16)]
-        kv_cache_bits: u32,
+        /// Bits per value of cached KV blocks [default: the live KV dtype's, 32 on CPU, 16 on
+        /// GPUs: hits are then bit-identical with computing the prompt]. 16 for KV computed in
+        /// float32 stores float16 (half the bytes); 8 or 4 store affine codes (3.6x or 6.4x
+        /// fewer bytes than float32, in RAM, on the wire and on SSD). Such hits are close to,
+        /// not identical with, computing the prompt; their blocks live under their own
+        /// namespace.
+        #[arg(long)]
+        kv_cache_bits: Option<u32>,
         #[command(flatten)]
         draft: DraftArgs,
     },
@@ -381,7 +383,6 @@ fn main() -> anyhow::Result<()> {
             kv_cache_bits,
             draft,
         } => {
-            let kv_quant = KvQuant::from_bits(kv_cache_bits).map_err(anyhow::Error::msg)?;
             let runtime = tokio::runtime::Runtime::new().context("start the tokio runtime")?;
             let service_name = match (&model_id, &model) {
                 (Some(id), _) => format!("strata-worker-{id}"),
@@ -395,6 +396,8 @@ fn main() -> anyhow::Result<()> {
             if let Err(e) = &reexec {
                 reexec_warning(e);
             }
+            // Set once the model is loaded (the scheme depends on the live KV dtype).
+            let mut kv_quant = None;
             let embedding = match &model {
                 Some(path) if is_embedding_model(path) => {
                     let id = model_id.clone().unwrap_or_else(|| default_model_id(path));
@@ -415,8 +418,15 @@ fn main() -> anyhow::Result<()> {
                         draft,
                     };
                     let loaded = args.open(&info.device)?;
+                    let layout = loaded.model.kv_layout();
+                    kv_quant = kv_cache_bits
+                        .map(|bits| KvQuant::from_bits(bits, layout.dtype))
+                        .transpose()
+                        .map_err(anyhow::Error::msg)
+                        .context("--kv-cache-bits")?
+                        .flatten();
                     if kv_quant.is_some() {
-                        strata_worker::kv_quant::supports(loaded.model.kv_layout().head_dim)
+                        strata_worker::kv_quant::supports(layout.head_dim)
                             .context("--kv-cache-bits")?;
                     }
                     let id = model_id.unwrap_or_else(|| default_model_id(path));

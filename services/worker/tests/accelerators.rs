@@ -73,7 +73,11 @@ fn max_tokens_and_stop_strings_cut_a_speculative_step_exactly() {
     }
     // A stop string part-way through a drafted run ends the answer where it would anyway.
     let full = m
-        .generate(&GenerateRequest::greedy(prompt.clone(), 30), &options, |_| true)
+        .generate(
+            &GenerateRequest::greedy(prompt.clone(), 30),
+            &options,
+            |_| true,
+        )
         .unwrap();
     let words: Vec<&str> = full.text.split_whitespace().collect();
     let stop = words[words.len() / 2].to_string();
@@ -94,7 +98,9 @@ fn requests_the_draft_cannot_serve_say_why() {
     let prompt = prompts(&m).remove(0);
     let mut req = GenerateRequest::greedy(prompt, 8);
     req.sampling.logprobs = Some(0);
-    let g = m.generate(&req, &EngineOptions::default(), |_| true).unwrap();
+    let g = m
+        .generate(&req, &EngineOptions::default(), |_| true)
+        .unwrap();
     assert!(g.speculation.is_none());
     assert_eq!(g.notices.len(), 1);
     assert_eq!(g.notices[0].feature, speculative::FEATURE);
@@ -125,7 +131,11 @@ fn pruning_keeps_positions_and_everything_kept_is_a_full_prefill() {
         .join(" ")
         + " Which harbour holds the most boats?";
     let prompt = m.tokenizer.encode(&text).unwrap();
-    assert!(prompt.len() >= spec_prefill::MIN_PROMPT_TOKENS, "{}", prompt.len());
+    assert!(
+        prompt.len() >= spec_prefill::MIN_PROMPT_TOKENS,
+        "{}",
+        prompt.len()
+    );
     let options = EngineOptions::default();
     let req = |ratio| GenerateRequest {
         prune_keep_ratio: ratio,
@@ -135,7 +145,9 @@ fn pruning_keeps_positions_and_everything_kept_is_a_full_prefill() {
     let full = m.generate(&req(None), &options, |_| true).unwrap();
     // Keeping every chunk through the pruned path (positions skipped: none) is exactly the
     // full prefill's arithmetic when chunks end where the full prefill's do.
-    let all = m.generate(&req(Some(0.999_999)), &options, |_| true).unwrap();
+    let all = m
+        .generate(&req(Some(0.999_999)), &options, |_| true)
+        .unwrap();
     assert_eq!(all.pruned_tokens, 0);
     assert_eq!(all.tokens, full.tokens);
     let pruned = m.generate(&req(Some(0.4)), &options, |_| true).unwrap();
