@@ -6,10 +6,10 @@
     scripts/mlx-env $STRATA_CACHE/benchvenv/bin/python scripts/bench_accelerators.py \
         --bin-dir target/release --model qwen1.5b --out docs/bench/accelerators
 
-One Strata cluster (`strata up --config`) serves the same weights under several model ids:
-`base` (nothing optional), `spec` (with the draft model), `f16`, `q8` and `q4` (cached KV
-blocks stored as float16, 8-bit or 4-bit codes; `base` stores them as computed, float32 on a
-CPU). Every request streams through /v1/chat/completions at temperature 0.
+Strata clusters (`strata up --config`) serve the same weights under several model ids: `base`
+(nothing optional) and `spec` (with the draft model) together; then `base`, `f16`, `q8` and
+`q4` one at a time (cached KV blocks stored as computed, float32 on a CPU, or as float16,
+8-bit or 4-bit codes). Every request streams through /v1/chat/completions at temperature 0.
 
 1. Speculative decoding: decode tok/s of `base` and `spec` on coding prompts (completion tokens
    after the first / time from the first to the last token), the draft's acceptance rate, and
@@ -20,7 +20,7 @@ CPU). Every request streams through /v1/chat/completions at temperature 0.
    answers against the full-prefill answers, and how many of each name the fact. Every
    request has its own cache_salt: nothing comes from the prefix cache.
 3. KV quantisation of cached blocks: each of `base`, `f16`, `q8`, `q4` computes the same prompts
-   (cold); the cluster is then restarted, so that L0 and the cache service's RAM are empty,
+   (cold); its cluster is then restarted, so that L0 and the cache service's RAM are empty,
    and the prompts are asked again: those hits come from disk (L2). Reported: SSD bytes per
    1,000 cached tokens (the namespace's disk bytes over its tokens), L2-hit TTFT, and the
    greedy agreement of the L2-hit answers with the cold full-precision answers.
@@ -64,22 +64,22 @@ FACTS = [
 
 
 class Cluster:
-    """`strata up --config` with the bench's models, in its own run and cache folders."""
+    """`strata up --config` serving the bench model under the ids `models` names (each with its
+    extra config lines), in its own run and cache folders. Each model is its own worker with
+    its own copy of the weights: a section loads only the ones it compares."""
 
-    def __init__(self, args, tmp):
+    def __init__(self, args, tmp, models):
         self.args, self.tmp = args, tmp
+        self.ids = [name for name, _ in models]
         self.port = bench_peers.free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         model = args.model_files["gguf"]
-        draft = DRAFTS[args.model]
-        models = [("base", ""), ("spec", f'draft_model = "{draft}"\ndraft_tokens = {args.draft_tokens}'),
-                  ("f16", "kv_cache_bits = 16"), ("q8", "kv_cache_bits = 8"),
-                  ("q4", "kv_cache_bits = 4")]
         text = [f'bind = "127.0.0.1:{self.port}"', f'run_dir = "{tmp / "run"}"', "",
                 "[cache]", f'dir = "{tmp / "kv"}"', 'ram = "4GiB"', 'disk = "16GiB"']
         for name, extra in models:
             text += ["", "[[models]]", f'id = "{name}"', f'path = "{model}"', "pinned = true",
                      extra]
+        tmp.mkdir(parents=True, exist_ok=True)
         self.config = tmp / "strata.toml"
         self.config.write_text("\n".join(text) + "\n")
         self.proc = None
@@ -94,7 +94,7 @@ class Cluster:
             if self.proc.poll() is not None:
                 sys.exit(f"strata exited; see {self.tmp / 'strata.log'}")
             try:
-                for m in ("base", "spec", "f16", "q8", "q4"):
+                for m in self.ids:
                     chat(self, m, "Hi", 1)
                 return
             except OSError:
@@ -198,53 +198,51 @@ def pruning(cluster, args, tokens, log):
     return rows
 
 
+KV_SCHEMES = [("base", "", None, "32"), ("f16", "kv_cache_bits = 16", "f16", "16"),
+              ("q8", "kv_cache_bits = 8", "affine-q8-g64", "8"),
+              ("q4", "kv_cache_bits = 4", "affine-q4-g64", "4")]
+
+
 def quantised(args, tmp, tokens, log):
-    """Cold runs on base/q8/q4, a restart, then L2 hits (a fresh cluster: empty L0 and RAM)."""
-    cluster = Cluster(args, tmp)
+    """Per scheme, a cluster of its own: cold runs, a restart of the whole cluster (empty L0
+    and RAM), then the same prompts again: hits from disk (L2)."""
     prompts = [tokens.text_of(args.kv_tokens, seed=300 + i)
                + "\n\nSummarise the text above in one sentence." for i in range(args.kv_prompts)]
-    cold = {}
-    cluster.start()
-    try:
-        for m in ("base", "f16", "q8", "q4"):
-            for i, p in enumerate(prompts):
-                cold[(m, i)] = chat(cluster, m, p, args.kv_answer_tokens, cache_salt=f"kv-{i}")
-                log(f"  cold {m} {i}: {cold[(m, i)]['ttft']:.2f} s")
-        time.sleep(5)  # the cache service writes blocks to disk behind the requests
-    finally:
-        cluster.stop()
-    cluster.start()
+    reference = None
     rows = []
-    try:
-        stats = cluster.admin("/admin/api/cache/stats")
-        spaces = {ns["namespace"]: ns for ns in stats["namespaces"]}
-        for m, scheme in (("base", None), ("f16", "f16"), ("q8", "affine-q8-g64"),
-                          ("q4", "affine-q4-g64")):
-            warm = []
-            for i, p in enumerate(prompts):
-                r = chat(cluster, m, p, args.kv_answer_tokens, cache_salt=f"kv-{i}")
-                tiers = r["usage"].get("strata_cached_tokens_by_tier", {})
-                warm.append(r)
-                log(f"  L2 {m} {i}: {r['ttft']:.2f} s, tiers {tiers}")
-            # The salted namespaces hold exactly these prompts' blocks.
-            disk = sum(ns["disk"]["bytes"] for name, ns in spaces.items()
-                       if "+" in name and ((scheme is None and "~kv-" not in name)
-                                           or (scheme is not None and f"~kv-{scheme}" in name)))
-            stored_tokens = sum(cold[(m, i)]["usage"].get("prompt_tokens", 1) - 1
-                                for i in range(len(prompts)))
-            rows.append({
-                "bits": {"base": "32 (as computed)", "f16": 16, "q8": 8, "q4": 4}[m],
-                "disk_bytes_per_1k": disk / stored_tokens * 1000,
-                "cold_ttft": statistics.median(cold[(m, i)]["ttft"] for i in range(len(prompts))),
-                "l2_ttft": statistics.median(r["ttft"] for r in warm),
-                "l2_tokens": statistics.median(
-                    r["usage"].get("strata_cached_tokens_by_tier", {}).get("l2", 0) for r in warm),
-                "agree": sum(r["text"] == cold[("base", i)]["text"] for i, r in enumerate(warm)),
-                "n": len(prompts),
-            })
-            log(f"  kv {rows[-1]}")
-    finally:
-        cluster.stop()
+    for m, extra, scheme, bits in KV_SCHEMES:
+        cluster = Cluster(args, tmp / m, [(m, extra)])
+        cluster.start()
+        try:
+            cold = [chat(cluster, m, p, args.kv_answer_tokens, cache_salt=f"kv-{i}")
+                    for i, p in enumerate(prompts)]
+            log(f"  cold {m}: {[round(r['ttft'], 2) for r in cold]}")
+            time.sleep(5)  # the cache service writes blocks to disk behind the requests
+        finally:
+            cluster.stop()
+        reference = reference or cold
+        cluster.start()
+        try:
+            stats = cluster.admin("/admin/api/cache/stats")
+            warm = [chat(cluster, m, p, args.kv_answer_tokens, cache_salt=f"kv-{i}")
+                    for i, p in enumerate(prompts)]
+            log(f"  L2 {m}: {[(round(r['ttft'], 2), r['usage'].get('strata_cached_tokens_by_tier')) for r in warm]}")
+        finally:
+            cluster.stop()
+        # The salted namespaces hold exactly these prompts' blocks.
+        disk = sum(ns["disk"]["bytes"] for ns in stats["namespaces"] if "+" in ns["namespace"])
+        stored_tokens = sum(r["usage"].get("prompt_tokens", 1) - 1 for r in cold)
+        rows.append({
+            "bits": bits, "scheme": scheme or "as computed",
+            "disk_bytes_per_1k": disk / stored_tokens * 1000,
+            "cold_ttft": statistics.median(r["ttft"] for r in cold),
+            "l2_ttft": statistics.median(r["ttft"] for r in warm),
+            "l2_tokens": statistics.median(
+                r["usage"].get("strata_cached_tokens_by_tier", {}).get("l2", 0) for r in warm),
+            "agree": sum(w["text"] == c["text"] for w, c in zip(warm, reference)),
+            "n": len(prompts),
+        })
+        log(f"  kv {rows[-1]}")
     return rows
 
 
@@ -291,7 +289,7 @@ def report(args, machine, spec_rows, prune_rows, kv_rows):
                 "| cached blocks | SSD bytes per 1K tokens | cold TTFT | L2-hit TTFT | tokens from L2 | same answer as full precision |",
                 "|---|---|---|---|---|---|"]
         for r in kv_rows:
-            out.append(f"| {r['bits']}-bit | {r['disk_bytes_per_1k'] / 2**20:.2f} MiB | "
+            out.append(f"| {r['bits']}-bit ({r['scheme']}) | {r['disk_bytes_per_1k'] / 2**20:.2f} MiB | "
                        f"{r['cold_ttft']:.2f} s | {r['l2_ttft']:.2f} s | {r['l2_tokens']:.0f} | "
                        f"{r['agree']}/{r['n']} |")
         out.append("")
@@ -327,8 +325,10 @@ def main():
     spec_rows, prune_rows, kv_rows = [], [], []
     try:
         if sections & {"speculative", "pruning"}:
-            (tmp / "main").mkdir()
-            cluster = Cluster(args, tmp / "main")
+            draft = DRAFTS[args.model]
+            cluster = Cluster(args, tmp / "main", [
+                ("base", ""),
+                ("spec", f'draft_model = "{draft}"\ndraft_tokens = {args.draft_tokens}')])
             cluster.start()
             try:
                 if "speculative" in sections:
@@ -338,7 +338,6 @@ def main():
             finally:
                 cluster.stop()
         if "kv" in sections:
-            (tmp / "kv").mkdir()
             kv_rows = quantised(args, tmp / "kv", tokens, log)
     finally:
         # The KV stores and logs of the run: gigabytes on a small disk.

@@ -202,8 +202,10 @@ def test_a_feature_asked_for_and_not_applied_says_so_everywhere(cluster, oai):
     # The log says why at info level.
     log = cluster.log_path.read_text()
     assert "feature not applied" in log and "logprobs were asked for" in log
-    # /admin shows what is on per model.
-    assert admin_features(cluster, "spec")["speculative_decoding"].startswith("on (draft ")
+    # /admin shows what is on per model, and what it did so far.
+    chat(oai, "spec", PROMPTS[1])
+    spec_feature = admin_features(cluster, "spec")["speculative_decoding"]
+    assert spec_feature.startswith("on (draft ") and "accepted" in spec_feature, spec_feature
     assert admin_features(cluster, "plain")["speculative_decoding"].startswith("off (no draft")
 
 
@@ -336,7 +338,8 @@ def test_prompt_pruning_is_opt_in_reported_and_refused_when_it_cannot_apply(clus
     assert "pruning starts at 512" in w["prompt_pruning"]
     assert metric(cluster, "strata_feature_not_applied_total", model="spec",
                   feature="prompt_pruning") >= 1
-    assert admin_features(cluster, "spec")["prompt_pruning"].startswith("on request")
+    pruning_feature = admin_features(cluster, "spec")["prompt_pruning"]
+    assert pruning_feature.startswith("on request") and "prompts pruned" in pruning_feature
     assert admin_features(cluster, "plain")["prompt_pruning"].startswith("off")
 
     # A ratio outside (0, 1] is the request's error, in each API's shape.

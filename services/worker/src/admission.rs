@@ -104,6 +104,13 @@ impl Admission {
         }
     }
 
+    /// Counts KV a draft model keeps next to the target's, per token (speculative decoding
+    /// and SpecPrefill grow both caches together).
+    pub fn with_draft_kv(mut self, bytes_per_token: u64) -> Self {
+        self.kv_bytes_per_token += bytes_per_token;
+        self
+    }
+
     /// Bytes a request of this size needs beyond the baseline: its KV cache (grown in steps)
     /// and the peak of one prefill chunk (f32 attention scores over the whole context, MLP
     /// activations, the logits), with 25% for MLX's buffer reuse.

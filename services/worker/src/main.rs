@@ -535,7 +535,7 @@ fn serving(
     // may fill.
     mlx_device::release_free_memory();
     let baseline = strata_worker::admission::resident_bytes() + l0_bytes;
-    let admission = strata_worker::admission::Admission::new(
+    let mut admission = strata_worker::admission::Admission::new(
         budget,
         baseline,
         loaded.model.config(),
@@ -543,6 +543,9 @@ fn serving(
         options.kv_step_tokens,
         options.prefill_chunk_tokens,
     );
+    if let Some(d) = &loaded.draft {
+        admission = admission.with_draft_kv(d.model.kv_layout().bytes_per_token() as u64);
+    }
     if admission.skipped {
         tracing::warn!(
             "memory admission is OFF ({}=1, debug build): requests that do not fit are run anyway",

@@ -53,6 +53,12 @@ pub struct Counters {
     pub running: AtomicUsize,
     /// How many sequences each decode forward pass ran together: counts by batch size.
     pub decode_batches: std::sync::Mutex<std::collections::BTreeMap<u32, u64>>,
+    /// Speculative decoding so far: tokens drafted and accepted.
+    pub drafted: AtomicU64,
+    pub accepted: AtomicU64,
+    /// Prompt tokens SpecPrefill left out, and requests it pruned.
+    pub pruned_tokens: AtomicU64,
+    pub pruned_requests: AtomicU64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -314,6 +320,15 @@ fn retire(mut a: Active, c: &Counters) {
     };
     match &result {
         Ok(g) => {
+            if let Some(s) = &g.speculation {
+                c.drafted.fetch_add(s.drafted as u64, Ordering::Relaxed);
+                c.accepted.fetch_add(s.accepted as u64, Ordering::Relaxed);
+            }
+            if g.pruned_tokens > 0 {
+                c.pruned_tokens
+                    .fetch_add(g.pruned_tokens as u64, Ordering::Relaxed);
+                c.pruned_requests.fetch_add(1, Ordering::Relaxed);
+            }
             c.prompt_tokens
                 .fetch_add(g.prompt_tokens as u64, Ordering::Relaxed);
             c.generated_tokens

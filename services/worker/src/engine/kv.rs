@@ -47,6 +47,9 @@ pub struct KvCache {
     step_tokens: usize,
     /// Prompt positions skipped (SpecPrefill): the next token's position is `len + skipped`.
     skipped: usize,
+    /// Positions skipped inside the next appended chunk: (index of the token in the chunk,
+    /// positions skipped right before it), in order. Consumed by `advance`.
+    gaps: Vec<(usize, usize)>,
 }
 
 impl KvCache {
@@ -58,6 +61,7 @@ impl KvCache {
             capacity: 0,
             step_tokens: step_tokens.max(1),
             skipped: 0,
+            gaps: Vec::new(),
         }
     }
 
@@ -80,10 +84,32 @@ impl KvCache {
         self.len + self.skipped
     }
 
-    /// Skips `n` positions: the next token is placed as if `n` more had been held. Pruned
-    /// prompt tokens keep the positions of the full prompt this way.
-    pub fn skip(&mut self, n: usize) {
-        self.skipped += n;
+    /// The next chunk's tokens skip positions: `gaps` lists (index of a token in the chunk,
+    /// positions skipped before it). Pruned prompt tokens keep the positions of the full
+    /// prompt this way, several kept runs sharing one forward pass.
+    pub fn set_gaps(&mut self, gaps: Vec<(usize, usize)>) {
+        self.gaps = gaps;
+    }
+
+    /// The RoPE positions of the next chunk of `t` tokens, as runs: (first token index in the
+    /// chunk, tokens in the run, position of the first).
+    pub fn position_runs(&self, t: usize) -> Vec<(usize, usize, usize)> {
+        let mut runs = Vec::with_capacity(self.gaps.len() + 1);
+        let mut start = 0;
+        let mut position = self.position();
+        for &(at, gap) in &self.gaps {
+            let at = at.min(t);
+            if at > start {
+                runs.push((start, at - start, position));
+                position += at - start;
+                start = at;
+            }
+            position += gap;
+        }
+        if t > start {
+            runs.push((start, t - start, position));
+        }
+        runs
     }
 
     pub fn is_empty(&self) -> bool {
@@ -157,6 +183,7 @@ impl KvCache {
     /// Marks `t` appended tokens as held (after every layer got them).
     pub fn advance(&mut self, t: usize) {
         self.len += t;
+        self.skipped += self.gaps.drain(..).map(|(_, gap)| gap).sum::<usize>();
     }
 
     /// Forgets tokens after `len` (their slots are overwritten later).
@@ -367,4 +394,30 @@ fn view_as(raw: &Array, dtype: Dtype) -> Result<Array> {
             )));
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn skipped_positions_shift_the_runs_of_a_chunk_and_everything_after() {
+        let layout = KvLayout {
+            num_layers: 1,
+            kv_heads: 1,
+            head_dim: 4,
+            dtype: Dtype::Float32,
+        };
+        let mut cache = KvCache::new(layout, 16);
+        assert_eq!(cache.position_runs(5), vec![(0, 5, 0)]);
+        // Positions 0..3 skipped, then 4 tokens, 10 skipped, 2 tokens.
+        cache.set_gaps(vec![(0, 3), (4, 10)]);
+        assert_eq!(cache.position_runs(6), vec![(0, 4, 3), (4, 2, 17)]);
+        cache.advance(6);
+        assert_eq!((cache.len(), cache.position()), (6, 19));
+        // The next chunk carries on after them, and gaps are used once.
+        assert_eq!(cache.position_runs(1), vec![(0, 1, 19)]);
+        cache.advance(1);
+        assert_eq!(cache.position(), 20);
+    }
 }

@@ -332,9 +332,9 @@ impl Model {
                     Ok(a.reshape(&[1, t, n, hd])?.transpose_axes(&[0, 2, 1, 3])?)
                 };
                 let held = seq.cache.len() as i32;
-                let offset = seq.cache.position() as i32;
-                let q = self.rope(&heads(rows(&q)?, h)?, offset)?;
-                let k = self.rope(&heads(rows(&k)?, hk)?, offset)?;
+                let positions = seq.cache.position_runs(t as usize);
+                let q = self.rope_runs(&heads(rows(&q)?, h)?, &positions)?;
+                let k = self.rope_runs(&heads(rows(&k)?, hk)?, &positions)?;
                 let v = heads(rows(&v)?, hk)?;
                 let (keys, values) = seq.cache.append(li, &k, &v)?;
                 let (keys, values) = if keys.dtype() == q.dtype() {
@@ -384,6 +384,22 @@ impl Model {
         let x = fast::rms_norm(&x, Some(&self.final_norm), c.rms_norm_eps)?;
         let logits = self.head.as_ref().unwrap_or(&self.embed).apply(&x)?;
         Ok(logits.as_dtype(Dtype::Float32)?)
+    }
+
+    /// RoPE over `[1, heads, t, dim]` whose tokens sit at `runs` of positions (one run unless
+    /// pruned prompt positions were skipped inside the chunk).
+    fn rope_runs(&self, x: &Array, runs: &[(usize, usize, usize)]) -> Result<Array> {
+        if let [(_, _, position)] = runs {
+            return self.rope(x, *position as i32);
+        }
+        let parts = runs
+            .iter()
+            .map(|&(start, len, position)| {
+                let part = x.try_index((.., .., start as i32..(start + len) as i32, ..))?;
+                self.rope(&part, position as i32)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(concatenate(&parts, 2)?)
     }
 
     fn rope(&self, x: &Array, offset: i32) -> Result<Array> {

@@ -316,28 +316,49 @@ impl Sequence {
             }
             self.kept = Some(kept);
         }
-        let at = self.prefilled;
-        let run = self
-            .kept
-            .as_ref()
-            .and_then(|k| k.iter().find(|r| r.end > at).cloned())
-            .ok_or_else(|| EngineError::Config("pruned prefill past its last chunk".into()))?;
-        let start = at.max(run.start);
-        self.cache.skip(start - at);
-        // Chunks end where a full prefill's do (multiples of the chunk size, and before the
-        // last token, which runs alone), so that keeping everything is a full prefill.
+        // The next kept tokens, as many as a full prefill's chunk would hold (chunks end at
+        // multiples of the chunk size in kept tokens), the last token alone: with nothing
+        // skipped this is a full prefill's arithmetic. Runs of kept tokens share the pass,
+        // each at its own positions.
         let body = len - 1;
-        let mut end = ((start / self.chunk + 1) * self.chunk).min(run.end);
-        if start < body {
-            end = end.min(body);
+        let limit = self.chunk - self.cache.len() % self.chunk;
+        let mut ids = Vec::with_capacity(limit);
+        let mut gaps = Vec::new();
+        let mut at = self.prefilled;
+        for run in self.kept.iter().flatten() {
+            if run.end <= at {
+                continue;
+            }
+            let start = run.start.max(at);
+            // The last token runs alone.
+            let stop = if start < body {
+                run.end.min(body)
+            } else {
+                run.end
+            };
+            let end = stop.min(start + (limit - ids.len()));
+            if start > at {
+                gaps.push((ids.len(), start - at));
+            }
+            ids.extend_from_slice(&self.req.prompt[start..end]);
+            at = end;
+            if ids.len() == limit || at == body {
+                break;
+            }
         }
+        if ids.is_empty() {
+            return Err(EngineError::Config(
+                "pruned prefill past its last chunk".into(),
+            ));
+        }
+        self.cache.set_gaps(gaps);
         let out = model.model.forward(&mut [SeqChunk {
-            tokens: &self.req.prompt[start..end],
+            tokens: &ids,
             cache: &mut self.cache,
         }])?;
         out.eval()?;
-        self.prefilled = end;
-        if end == len {
+        self.prefilled = at;
+        if at == len {
             self.prefill_logits = Some(out.as_slice::<f32>().to_vec());
             self.prefill_time = Some(self.started.elapsed());
         }

@@ -718,9 +718,38 @@ impl Worker for WorkerService {
             prefix_cache: serving.prefix_cache.as_ref().map(|pc| pc.stats_message()),
             resident_bytes: crate::admission::resident_bytes(),
             memory_budget_bytes: serving.info.memory_budget_bytes,
-            features: serving.features.iter().cloned().collect(),
+            features: live_features(serving),
         }))
     }
+}
+
+/// The features as configured, with what the accelerators did so far.
+fn live_features(serving: &Serving) -> std::collections::HashMap<String, String> {
+    let c = &serving.scheduler.counters;
+    let mut out: std::collections::HashMap<String, String> =
+        serving.features.iter().cloned().collect();
+    let (drafted, accepted) = (
+        c.drafted.load(Ordering::Relaxed),
+        c.accepted.load(Ordering::Relaxed),
+    );
+    if let Some(v) = out.get_mut(crate::engine::speculative::FEATURE)
+        && drafted > 0
+    {
+        v.push_str(&format!(
+            "; so far {drafted} tokens drafted, {accepted} accepted ({:.0}%)",
+            100.0 * accepted as f64 / drafted as f64
+        ));
+    }
+    let pruned = c.pruned_requests.load(Ordering::Relaxed);
+    if let Some(v) = out.get_mut(crate::engine::spec_prefill::FEATURE)
+        && pruned > 0
+    {
+        v.push_str(&format!(
+            "; so far {pruned} prompts pruned, {} tokens left out",
+            c.pruned_tokens.load(Ordering::Relaxed)
+        ));
+    }
+    out
 }
 
 fn tier_tokens(
