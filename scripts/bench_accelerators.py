@@ -115,40 +115,13 @@ class Cluster:
 
 
 def chat(cluster, model, prompt, max_tokens, **extra):
-    """One streamed chat request: TTFT, decode time, usage, text and Strata's extension fields
-    (from the last chunks)."""
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, **extra}
-    req = urllib.request.Request(cluster.base + "/v1/chat/completions",
-                                 data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"}, method="POST")
-    started = time.monotonic()
-    first = last = None
-    text, usage, ext = "", {}, {}
-    with urllib.request.urlopen(req, timeout=3600) as r:
-        for raw in r:
-            line = raw.decode("utf-8", "replace").strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[5:])
-            if "error" in event:
-                raise RuntimeError(event["error"])
-            for choice in event.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    now = time.monotonic() - started
-                    first = now if first is None else first
-                    last = now
-                    text += piece
-            usage = event.get("usage") or usage
-            for k in ("strata_speculative", "strata_prompt_pruning", "strata_warnings"):
-                if k in event:
-                    ext[k] = event[k]
-    end = time.monotonic() - started
-    first = end if first is None else first
-    return {"ttft": first, "decode_s": (last or first) - first, "text": text, "usage": usage,
-            **ext}
+    """One streamed chat request: TTFT, decode time, usage, text and Strata's extension
+    fields (from the last chunks)."""
+    usage, ext = {}, {}
+    ttft, decode_s, _, _, text = bench_peers.stream_chat(
+        cluster.base, model, [{"role": "user", "content": prompt}], max_tokens, extra,
+        usage_out=usage, ext_out=ext)
+    return {"ttft": ttft, "decode_s": decode_s, "text": text, "usage": usage, **ext}
 
 
 def speculative(cluster, args, log):

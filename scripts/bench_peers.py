@@ -86,10 +86,11 @@ def post_json(url, body, timeout=30):
         return json.load(r)
 
 
-def stream_chat(base, model, messages, max_tokens, extra, usage_out=None):
+def stream_chat(base, model, messages, max_tokens, extra, usage_out=None, ext_out=None):
     """(ttft_s, decode_s, completion_tokens, prompt_tokens, text) of one streaming chat
     request. With `usage_out` (a dict), an answer with no content is no error (its TTFT is
-    the time to the end) and the server's usage is copied into it."""
+    the time to the end) and the server's usage is copied into it; `ext_out` (a dict) gets
+    Strata's extension fields (`strata_*`) of the events."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}, **extra}
     req = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
@@ -105,6 +106,10 @@ def stream_chat(base, model, messages, max_tokens, extra, usage_out=None):
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
             event = json.loads(line[5:])
+            if "error" in event:
+                raise RuntimeError(f"{base}: {event['error']}")
+            if ext_out is not None:
+                ext_out.update({k: v for k, v in event.items() if k.startswith("strata_")})
             for choice in event.get("choices") or []:
                 delta = choice.get("delta") or {}
                 if delta.get("content"):

@@ -7,11 +7,10 @@ import threading
 import time
 import urllib.request
 
-import anthropic
-import openai
 import pytest
 
-from test_api import config_cluster, pick_port, raw_post
+# The SDK clients, bound to this module's cluster.
+from test_api import claude, config_cluster, oai, pick_port, raw_post  # noqa: F401
 
 PROMPTS = [
     "Write a short poem about the sea.",
@@ -78,16 +77,6 @@ draft_model = "{tiny_qwen}"
 """
     with config_cluster(bin_dir, tmp, port, text) as c:
         yield c
-
-
-@pytest.fixture
-def oai(cluster):
-    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture
-def claude(cluster):
-    return anthropic.Anthropic(base_url=cluster.url, api_key="unused", max_retries=0)
 
 
 def chat(oai, model, prompt, **extra):
