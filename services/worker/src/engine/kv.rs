@@ -74,11 +74,6 @@ impl KvCache {
         self.len
     }
 
-    /// Tokens the buffers grow by.
-    pub fn step_tokens(&self) -> usize {
-        self.step_tokens
-    }
-
     /// The position (for RoPE) of the next token: tokens held plus positions skipped.
     pub fn position(&self) -> usize {
         self.len + self.skipped

@@ -77,9 +77,9 @@ pub struct Sequence {
     spec: Option<Speculation>,
     /// Features asked for that did not (fully) apply.
     notices: Vec<Notice>,
-    /// SpecPrefill: the keep ratio until the draft has chosen, then the prompt ranges the
-    /// target prefills.
-    prune: Option<f32>,
+    /// SpecPrefill: the draft's reading of the prompt until it has chosen, then the prompt
+    /// ranges the target prefills.
+    prune: Option<spec_prefill::Scoring>,
     kept: Option<Vec<std::ops::Range<usize>>>,
 }
 
@@ -110,9 +110,13 @@ impl Sequence {
             }
         };
         let mut notices = Vec::new();
-        let prune = match spec_prefill::plan(model, &req) {
-            spec_prefill::Plan::Keep(ratio) => Some(ratio),
-            spec_prefill::Plan::NotApplied(why) => {
+        let prune = match (spec_prefill::plan(model, &req), &model.draft) {
+            (spec_prefill::Plan::Keep(ratio), Some(draft)) => Some(spec_prefill::Scoring::new(
+                draft,
+                ratio,
+                options.kv_step_tokens,
+            )),
+            (spec_prefill::Plan::NotApplied(why), _) => {
                 tracing::info!(feature = spec_prefill::FEATURE, "not applied: {why}");
                 notices.push(Notice {
                     feature: spec_prefill::FEATURE.into(),
@@ -120,7 +124,7 @@ impl Sequence {
                 });
                 None
             }
-            spec_prefill::Plan::Off => None,
+            _ => None,
         };
         // A pruned prompt's KV is not the prompt's: nothing cached is used for it.
         let cached = if prune.is_some() { &[][..] } else { cached };
@@ -223,7 +227,7 @@ impl Sequence {
     /// bit for bit. The last token always runs alone, so that a prompt whose body is fully
     /// cached, partial tail included, computes just one token before its first output.
     pub fn prefill_step(&mut self, model: &LoadedModel, on_block: BlockSink<'_>) -> Result<()> {
-        if self.prune.is_some() {
+        if self.prune.is_some() || self.kept.is_some() {
             return self.pruned_prefill_step(model);
         }
         let at = self.prefilled;
@@ -294,27 +298,28 @@ impl Sequence {
         Ok(())
     }
 
-    /// SpecPrefill: the first step lets the draft choose the chunks to keep; each step then
-    /// prefills the next kept chunk at its own positions, skipping the positions between.
-    /// Nothing goes to the prefix cache.
+    /// SpecPrefill: the first steps let the draft read the prompt (a chunk per step) and
+    /// choose the chunks to keep; each step then prefills the next kept tokens at their own
+    /// positions, skipping the positions between. Nothing goes to the prefix cache.
     fn pruned_prefill_step(&mut self, model: &LoadedModel) -> Result<()> {
         let len = self.req.prompt.len();
-        if self.kept.is_none() {
-            let (Some(ratio), Some(draft)) = (self.prune, &model.draft) else {
-                return Err(EngineError::Config("pruning without a draft".into()));
-            };
-            let (kept, draft_cache) = spec_prefill::select(
-                draft,
-                &self.req.prompt,
-                ratio,
-                self.chunk,
-                self.cache.step_tokens(),
-            )?;
-            // The draft now holds the whole prompt: speculative decoding goes on from there.
-            if let Some(spec) = self.spec.as_mut() {
-                spec.adopt_cache(draft_cache);
+        if let Some(scoring) = self.prune.take() {
+            let draft = model
+                .draft
+                .as_ref()
+                .ok_or_else(|| EngineError::Config("pruning without a draft".into()))?;
+            match scoring.step(draft, &self.req.prompt, self.chunk)? {
+                spec_prefill::Scored::Reading(more) => self.prune = Some(more),
+                spec_prefill::Scored::Chosen(kept, draft_cache) => {
+                    // The draft now holds the whole prompt: speculative decoding goes on
+                    // from there.
+                    if let Some(spec) = self.spec.as_mut() {
+                        spec.adopt_cache(draft_cache);
+                    }
+                    self.kept = Some(kept);
+                }
             }
-            self.kept = Some(kept);
+            return Ok(());
         }
         // The next kept tokens, as many as a full prefill's chunk would hold (chunks end at
         // multiples of the chunk size in kept tokens), the last token alone: with nothing

@@ -70,43 +70,64 @@ pub fn plan(model: &LoadedModel, req: &GenerateRequest) -> Plan {
     Plan::NotApplied(why)
 }
 
-/// Runs the draft over `prompt` and chooses what the target prefills: ranges of prompt
-/// positions, in order, the first chunk and the last `QUERY_TOKENS` always among them.
-/// Returns them with the draft's KV cache, which then holds the whole prompt (speculative
-/// decoding goes on from it).
-pub fn select(
-    draft: &Draft,
-    prompt: &[u32],
+/// The draft reading a prompt to score it, one chunk per engine step (so that a long
+/// prompt's scoring is interleaved with other sequences' decode steps, like a prefill).
+pub struct Scoring {
+    cache: KvCache,
     keep_ratio: f32,
-    chunk: usize,
-    kv_step_tokens: usize,
-) -> Result<(Vec<Range<usize>>, KvCache)> {
-    let n = prompt.len();
-    let query = QUERY_TOKENS.min(n / 2);
-    let body = n - query;
-    let mut cache = draft.model.new_cache(kv_step_tokens);
-    for part in prompt[..body].chunks(chunk.max(1)) {
-        draft
-            .model
-            .forward(&mut [SeqChunk {
-                tokens: part,
-                cache: &mut cache,
-            }])?
-            .eval()?;
+}
+
+/// What a scoring step left: more to read, or the chosen ranges and the draft's KV cache,
+/// which then holds the whole prompt (speculative decoding goes on from it).
+pub enum Scored {
+    Reading(Scoring),
+    Chosen(Vec<Range<usize>>, KvCache),
+}
+
+impl Scoring {
+    pub fn new(draft: &Draft, keep_ratio: f32, kv_step_tokens: usize) -> Self {
+        Self {
+            cache: draft.model.new_cache(kv_step_tokens),
+            keep_ratio,
+        }
     }
-    let weights = draft.model.attention_to_positions(SeqChunk {
-        tokens: &prompt[body..],
-        cache: &mut cache,
-    })?;
-    weights.eval()?;
-    let weights = weights.as_slice::<f32>();
-    if weights.len() != n {
-        return Err(EngineError::Mlx(format!(
-            "attention scores for {} positions, expected {n}",
-            weights.len()
-        )));
+
+    /// Reads the next `chunk` tokens of the prompt's body; once the body is read, runs the
+    /// last `QUERY_TOKENS` through the attention-scoring pass and chooses what the target
+    /// prefills: ranges of prompt positions, in order, the first chunk and the last
+    /// `QUERY_TOKENS` always among them.
+    pub fn step(mut self, draft: &Draft, prompt: &[u32], chunk: usize) -> Result<Scored> {
+        let n = prompt.len();
+        let body = n - QUERY_TOKENS.min(n / 2);
+        let at = self.cache.len();
+        if at < body {
+            let end = (at + chunk.max(1)).min(body);
+            draft
+                .model
+                .forward(&mut [SeqChunk {
+                    tokens: &prompt[at..end],
+                    cache: &mut self.cache,
+                }])?
+                .eval()?;
+            return Ok(Scored::Reading(self));
+        }
+        let weights = draft.model.attention_to_positions(SeqChunk {
+            tokens: &prompt[body..],
+            cache: &mut self.cache,
+        })?;
+        weights.eval()?;
+        let weights = weights.as_slice::<f32>();
+        if weights.len() != n {
+            return Err(EngineError::Mlx(format!(
+                "attention scores for {} positions, expected {n}",
+                weights.len()
+            )));
+        }
+        Ok(Scored::Chosen(
+            choose(weights, self.keep_ratio, body),
+            self.cache,
+        ))
     }
-    Ok((choose(weights, keep_ratio, body), cache))
 }
 
 /// The chunks to keep, as merged ranges: the first chunk and everything from `tail_start`,
