@@ -16,9 +16,14 @@
 //! id = "smollm2"
 //! path = "~/.cache/strata/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
 //! kind = "llm"
-//! aliases = ["gpt-4o-mini", "claude-3-5-haiku-latest"]
+//! aliases = ["gpt-4o-mini", "claude-*"]   # `*` patterns route agents' sub-task names
 //! pinned = true
+//! max_output_tokens = 4096           # longer max_tokens are clamped (and told)
 //! ```
+//!
+//! `default_model = "smollm2"` at the top level serves every model name that no id, alias or
+//! pattern matches (agents send `claude-opus-*`, `gpt-*` for sub-tasks); without it such
+//! names are a 404.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -71,6 +76,10 @@ pub struct Config {
     /// Longest wait before restarting a crashed child, in milliseconds [default: 30000].
     #[serde(default)]
     pub restart_backoff_max_ms: Option<u64>,
+    /// The model (id or alias) that serves requests naming a model no id, alias or alias
+    /// pattern matches [default: none; such requests are a 404].
+    #[serde(default)]
+    pub default_model: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -106,9 +115,14 @@ pub struct ModelConfig {
     pub path: PathBuf,
     #[serde(default = "default_kind")]
     pub kind: ModelKind,
-    /// Other names clients may use for this model.
+    /// Other names clients may use for this model; `*` matches any run of characters
+    /// (`"claude-*"`), checked after every exact id and alias.
     #[serde(default)]
     pub aliases: Vec<String>,
+    /// The longest answer, in tokens: a request asking for more is clamped and told so in
+    /// `strata_warnings` [default: what the context leaves after the prompt].
+    #[serde(default)]
+    pub max_output_tokens: Option<u32>,
     /// Never unloaded to make room for another model.
     #[serde(default)]
     pub pinned: bool,
@@ -150,6 +164,7 @@ impl ModelConfig {
             path,
             kind,
             aliases: Vec::new(),
+            max_output_tokens: None,
             pinned: false,
             memory_budget: None,
             store_decode_kv: false,
@@ -196,6 +211,7 @@ impl Default for Config {
             image_dirs: Vec::new(),
             allow_remote_images: false,
             restart_backoff_max_ms: None,
+            default_model: None,
         }
     }
 }
@@ -252,6 +268,12 @@ impl Config {
                     )));
                 }
             }
+            if m.max_output_tokens == Some(0) {
+                return Err(ConfigError::Invalid(format!(
+                    "model {}: max_output_tokens must be at least 1",
+                    m.id
+                )));
+            }
             if !m.path.exists() {
                 return Err(ConfigError::Invalid(format!(
                     "model {}: {} does not exist",
@@ -276,6 +298,16 @@ impl Config {
                     found
                 )));
             }
+        }
+        if let Some(d) = &self.default_model
+            && !self
+                .models
+                .iter()
+                .any(|m| &m.id == d || m.aliases.contains(d))
+        {
+            return Err(ConfigError::Invalid(format!(
+                "default_model {d:?} is not the id or alias of a configured model"
+            )));
         }
         Ok(())
     }

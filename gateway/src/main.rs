@@ -111,6 +111,16 @@ struct UpArgs {
     /// The id clients use for --model [default: its file name].
     #[arg(long, env = "STRATA_MODEL_ID")]
     model_id: Option<String>,
+    /// Another name for --model (repeatable); `*` matches any run of characters, e.g.
+    /// `--alias 'claude-*'` serves the names coding agents send.
+    #[arg(long = "alias")]
+    aliases: Vec<String>,
+    /// Longest answer of --model in tokens; longer max_tokens are clamped and told.
+    #[arg(long)]
+    max_output_tokens: Option<u32>,
+    /// The model (id or alias) serving every model name nothing else matches.
+    #[arg(long, env = "STRATA_DEFAULT_MODEL")]
+    default_model: Option<String>,
     /// Folder for the processes' Unix sockets [default: $XDG_RUNTIME_DIR/strata or /tmp/strata-$UID].
     #[arg(long, env = "STRATA_RUN_DIR")]
     run_dir: Option<PathBuf>,
@@ -367,6 +377,12 @@ fn default_model() -> PathBuf {
     cache_dir().join("models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf")
 }
 
+const DEFAULT_EMBEDDING_ID: &str = "all-minilm-l6-v2";
+
+fn default_embedding_model() -> PathBuf {
+    cache_dir().join("models/all-minilm-l6-v2")
+}
+
 fn home() -> PathBuf {
     std::env::var_os("HOME")
         .map(PathBuf::from)
@@ -439,8 +455,19 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         });
         config.models = vec![ModelConfig {
             pinned: true,
+            aliases: args.aliases.clone(),
+            max_output_tokens: args.max_output_tokens,
             ..ModelConfig::new(id, path, ModelKind::Llm)
         }];
+        // `make run` on a fresh machine: the embedding model setup fetched is served too, so
+        // a client's first embeddings call works.
+        let minilm = default_embedding_model();
+        if args.model.is_none() && args.embedding_models.is_empty() && minilm.is_dir() {
+            config.models.push(ModelConfig {
+                pinned: true,
+                ..ModelConfig::new(DEFAULT_EMBEDDING_ID.into(), minilm, ModelKind::Embedding)
+            });
+        }
     }
     let named = args
         .embedding_models
@@ -479,6 +506,9 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             tracing::info!(id = %f.id, kind = ?f.kind, path = %f.path.display(), "discovered model");
             config.models.push(ModelConfig::new(f.id, f.path, f.kind));
         }
+    }
+    if args.default_model.is_some() {
+        config.default_model = args.default_model.clone();
     }
     config.validate()?;
     let otlp_endpoint = args.otlp_endpoint.clone().or(config.otlp_endpoint.clone());
@@ -629,7 +659,8 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
                 m.path.clone(),
                 spec,
             )
-            .with_memory(memory, m.idle_ttl_secs.map(Duration::from_secs)),
+            .with_memory(memory, m.idle_ttl_secs.map(Duration::from_secs))
+            .with_max_output_tokens(m.max_output_tokens),
         );
     }
     let budget = args
@@ -638,7 +669,9 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         .or(config.models_memory_budget.clone())
         .map(|b| parse_size::parse_size(&b).with_context(|| format!("models memory budget {b:?}")))
         .transpose()?;
-    let registry = Registry::new(models, budget);
+    let registry = Registry::new(models, budget)
+        .with_default_model(config.default_model.as_deref())
+        .map_err(anyhow::Error::msg)?;
     // Pinned (and preloaded) models start loaded, the rest on their first request.
     for (m, c) in registry.models().iter().zip(&config.models) {
         if (m.pinned() || c.preload)

@@ -44,6 +44,9 @@ pub struct ModelEntry {
     last_used_ms: AtomicU64,
     /// Requests being served now; a model serving one is never unloaded to make room.
     in_flight: Arc<AtomicUsize>,
+    /// The longest answer this model gives (its config's `max_output_tokens`); None: as
+    /// long as its context allows.
+    pub max_output_tokens: Option<u32>,
 }
 
 /// Held while a request uses a model's worker: keeps it from being unloaded under the
@@ -87,7 +90,26 @@ impl ModelEntry {
             idle_ttl: None,
             last_used_ms: AtomicU64::new(0),
             in_flight: Arc::new(AtomicUsize::new(0)),
+            max_output_tokens: None,
         }
+    }
+
+    /// Answers of this model are at most `tokens` long (longer requests are clamped, and told).
+    pub fn with_max_output_tokens(mut self, tokens: Option<u32>) -> Self {
+        self.max_output_tokens = tokens;
+        self
+    }
+
+    /// Whether a request's model name means this model: its id, an alias, or an alias
+    /// pattern with `*` wildcards (`claude-*`).
+    fn answers_to(&self, name: &str) -> bool {
+        self.id == name || self.aliases.iter().any(|a| a == name)
+    }
+
+    fn matches_pattern(&self, name: &str) -> bool {
+        self.aliases
+            .iter()
+            .any(|a| a.contains('*') && wildcard_match(a, name))
     }
 
     /// Counted for `bytes` against the shared budget, unloaded after `idle_ttl` unused.
@@ -192,6 +214,9 @@ impl ModelEntry {
 #[derive(Clone)]
 pub struct Registry {
     models: Arc<Vec<Arc<ModelEntry>>>,
+    /// The model that serves names no model answers to (config `default_model`); None:
+    /// such names are a 404.
+    default_model: Option<Arc<ModelEntry>>,
     /// Memory for all workers together; None: no limit.
     budget_bytes: Option<u64>,
     /// Serialises load and unload decisions, so two requests never both make room.
@@ -212,6 +237,7 @@ impl Registry {
     pub fn new(models: Vec<ModelEntry>, budget_bytes: Option<u64>) -> Self {
         Self {
             models: Arc::new(models.into_iter().map(Arc::new).collect()),
+            default_model: None,
             budget_bytes,
             loading: Arc::new(tokio::sync::Mutex::new(())),
             started: Instant::now(),
@@ -355,24 +381,46 @@ impl Registry {
         &self.models
     }
 
-    /// The model a request names, by id or alias.
+    /// The model a request names: by id or alias first, then by alias pattern (models in
+    /// configuration order), then the default model when one is configured.
     pub fn resolve(&self, name: &str) -> Result<Arc<ModelEntry>, ApiError> {
-        self.models
+        let found = self
+            .models
             .iter()
-            .find(|m| m.id == name || m.aliases.iter().any(|a| a == name))
-            .cloned()
-            .ok_or_else(|| {
-                let known: Vec<&str> = self.models.iter().map(|m| m.id.as_str()).collect();
-                ApiError::new(
-                    ErrorKind::NotFound,
-                    format!(
-                        "model {name:?} does not exist; this server has: {}",
-                        known.join(", ")
-                    ),
-                )
-                .param("model")
-                .code("model_not_found")
-            })
+            .find(|m| m.answers_to(name))
+            .or_else(|| self.models.iter().find(|m| m.matches_pattern(name)))
+            .or(self.default_model.as_ref());
+        if let Some(m) = found {
+            if m.id != name && !m.aliases.iter().any(|a| a == name) {
+                tracing::debug!(requested = name, model = %m.id, "model name routed by pattern or default");
+            }
+            return Ok(m.clone());
+        }
+        let known: Vec<&str> = self.models.iter().map(|m| m.id.as_str()).collect();
+        Err(ApiError::new(
+            ErrorKind::NotFound,
+            format!(
+                "model {name:?} does not exist; this server has: {} (set default_model or an alias pattern such as \"claude-*\" to route other names)",
+                known.join(", ")
+            ),
+        )
+        .param("model")
+        .code("model_not_found"))
+    }
+
+    /// Names no model answers to go to `id` (which must be a configured model).
+    pub fn with_default_model(mut self, id: Option<&str>) -> Result<Self, String> {
+        self.default_model = match id {
+            None => None,
+            Some(id) => Some(
+                self.models
+                    .iter()
+                    .find(|m| m.answers_to(id))
+                    .cloned()
+                    .ok_or_else(|| format!("default_model {id:?} is not a configured model"))?,
+            ),
+        };
+        Ok(self)
     }
 
     /// By model id or worker name (the admin API accepts both).
@@ -388,5 +436,46 @@ impl Registry {
         for m in self.models.iter() {
             m.unload().await;
         }
+    }
+}
+
+/// Whether `name` matches `pattern`, where `*` stands for any run of characters. Alias
+/// patterns are this small (`claude-*`, `gpt-*-mini`); a glob crate would add path rules
+/// that do not apply to model names.
+fn wildcard_match(pattern: &str, name: &str) -> bool {
+    let mut parts = pattern.split('*');
+    let first = parts.next().unwrap_or_default();
+    let Some(mut rest) = name.strip_prefix(first) else {
+        return false;
+    };
+    let parts: Vec<&str> = parts.collect();
+    let Some((last, middle)) = parts.split_last() else {
+        return rest.is_empty();
+    };
+    for part in middle {
+        match rest.find(part) {
+            Some(at) => rest = &rest[at + part.len()..],
+            None => return false,
+        }
+    }
+    rest.len() >= last.len() && rest.ends_with(last)
+}
+
+#[cfg(test)]
+mod pattern_tests {
+    use super::wildcard_match;
+
+    #[test]
+    fn alias_patterns_match_with_wildcards_only_where_they_stand() {
+        assert!(wildcard_match("claude-*", "claude-opus-5-5"));
+        assert!(wildcard_match("claude-*", "claude-"));
+        assert!(!wildcard_match("claude-*", "gpt-4o"));
+        assert!(wildcard_match("gpt-*-mini", "gpt-4o-mini"));
+        assert!(!wildcard_match("gpt-*-mini", "gpt-4o"));
+        assert!(wildcard_match("*", "anything"));
+        assert!(wildcard_match("a*b*c", "a-x-b-y-c"));
+        assert!(!wildcard_match("a*b*c", "a-x-c-y-b"));
+        assert!(wildcard_match("exact", "exact"));
+        assert!(!wildcard_match("exact", "exact2"));
     }
 }

@@ -259,9 +259,16 @@ def test_bad_requests_get_clear_errors_in_each_apis_shape(cluster, oai, claude):
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=MODEL, messages=[])
     assert "messages" in e.value.body["message"]
+    # A prompt that alone fills the context is refused in each API's shape (a max_tokens
+    # past the context is clamped instead: tests/e2e/test_agent_requests.py).
+    too_long = [{"role": "user", "content": "hello " * 9000}]
     with pytest.raises(openai.BadRequestError) as e:
-        oai.chat.completions.create(model=MODEL, messages=ok, max_tokens=10_000_000)
+        oai.chat.completions.create(model=MODEL, messages=too_long, max_tokens=5)
     assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model=MODEL, max_tokens=5, messages=too_long)
+    assert e.value.body["error"]["type"] == "invalid_request_error"
+    assert e.value.body["error"]["message"].startswith("prompt is too long: "), e.value.body
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=MODEL, messages=ok, n=2)
     assert e.value.body["param"] == "n"
@@ -272,7 +279,7 @@ def test_bad_requests_get_clear_errors_in_each_apis_shape(cluster, oai, claude):
     assert e.value.body["type"] == "error"
     with pytest.raises(anthropic.BadRequestError):
         claude.messages.create(model=MODEL, max_tokens=5,
-                               messages=[{"role": "system", "content": "x"}])
+                               messages=[{"role": "wizard", "content": "x"}])
 
     # Not JSON, missing fields, too large: raw requests, each API's shape.
     status, _, body = raw_post(cluster, "/v1/chat/completions", b"{not json")

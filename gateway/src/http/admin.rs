@@ -112,6 +112,9 @@ async fn workers(State(state): State<AppState>) -> Json<Value> {
                 });
             }
         }
+        // Features requests asked for and did not get (thinking, context edits, clamped
+        // max_tokens, …), counted by the gateway whichever side decided it.
+        v["not_applied"] = super::metrics::not_applied_json(&m.id);
         v["model"] = json!({"model": m.id, "aliases": m.aliases, "kind": m.kind,
                             "pinned": m.pinned(), "path": m.path,
                             "memory_bytes": m.memory_bytes, "in_flight": m.in_flight()});

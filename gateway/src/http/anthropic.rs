@@ -1,20 +1,20 @@
 //! Anthropic's Messages API: `POST /v1/messages` (streaming with the full event sequence, and
-//! not) and `POST /v1/messages/count_tokens`. Fields agents send that do not change the output
-//! here (`metadata`, `cache_control`, `thinking`, `betas`, unknown headers) are accepted.
-
-use std::convert::Infallible;
+//! not) and `POST /v1/messages/count_tokens`, as coding agents send them: system messages in
+//! place, `?beta=true`, any `anthropic-beta` header. Fields that do not change the output here
+//! (`metadata`, `cache_control`, `defer_loading`, thinking `display`) are accepted; features
+//! asked for and not applied (thinking, effort, context edits, server tools) are reported in
+//! `strata_warnings`, the log, the metrics and /admin.
 
 use axum::body::Body;
 use axum::extract::State;
-use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::sse::Event;
 use axum::response::{IntoResponse, Json, Response};
 use serde::Deserialize;
 use serde_json::{Value, json};
-use strata_proto::worker::{self as pb, generate_event};
-use tokio_stream::wrappers::ReceiverStream;
+use strata_proto::worker as pb;
 
-use super::error::{ApiError, ErrorKind, Flavor, from_worker_status};
-use super::generation::{self, Collected, read_json, response_id};
+use super::error::{ApiError, Flavor};
+use super::generation::{self, Collected, Encoder, Params, SseEvent, read_json, response_id};
 use super::images::{self, ImageSource};
 use super::tools::{self, CallParser, Piece, ToolCall, ToolUse};
 use super::{AppState, TenantKey};
@@ -45,6 +45,12 @@ pub struct MessagesRequest {
     speculative_decoding: Option<bool>,
     /// Strata's extension: SpecPrefill, `{"keep_ratio": 0.3}`.
     prompt_pruning: Option<generation::PromptPruning>,
+    /// `{"type": "enabled" | "adaptive" | "disabled", "budget_tokens", "display"}`.
+    thinking: Option<Value>,
+    /// `{"effort": "low" | "medium" | "high", "format": {"type": "json_schema", "schema"}}`.
+    output_config: Option<Value>,
+    /// `{"edits": [...]}`: server-side context edits.
+    context_management: Option<Value>,
 }
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
@@ -167,9 +173,13 @@ async fn chat_prompt(
     for (i, m) in messages.iter().enumerate() {
         let role = match m.get("role").and_then(Value::as_str) {
             Some(r @ ("user" | "assistant")) => r,
+            // Agents put system messages between turns (Claude Code: its environment after the
+            // first user message). Rendered where they stand: moving them to the front would
+            // change every token after them, and the prefix cache with it.
+            Some("system") => "system",
             Some(other) => {
                 return Err(invalid(format!(
-                    "messages.{i}.role: {other:?} is not user or assistant (the system prompt goes in the top-level system field)"
+                    "messages.{i}.role: {other:?} is not user, assistant or system"
                 )));
             }
             None => return Err(invalid(format!("messages.{i}.role: field required"))),
@@ -316,11 +326,10 @@ pub async fn messages(
         .registry
         .resolve(&req.model)
         .map_err(|e| e.flavor(FLAVOR))?;
-    if req.max_tokens == 0 {
-        return Err(invalid("max_tokens: must be at least 1"));
-    }
-    let tool_use = ToolUse::anthropic(req.tools.as_deref(), req.tool_choice.as_ref())
-        .map_err(|e| e.flavor(FLAVOR))?;
+    let mut notices = Vec::new();
+    let tools = server_tools_declined(req.tools.as_deref(), &mut notices);
+    let tool_use =
+        ToolUse::anthropic(Some(&tools), req.tool_choice.as_ref()).map_err(|e| e.flavor(FLAVOR))?;
     let parser = tool_use.as_ref().and_then(ToolUse::parser);
     let prompt = chat_prompt(
         &state,
@@ -330,28 +339,35 @@ pub async fn messages(
         tool_use.as_ref(),
     )
     .await?;
-    let stop = req.stop_sequences.clone().unwrap_or_default();
-    let worker_req = pb::GenerateRequest {
-        request_id: String::new(),
-        prompt: Some(prompt),
-        max_tokens: req.max_tokens,
-        sampling: Some(generation::sampling(req.temperature, req.top_p, req.top_k)),
-        stop,
-        stop_token_ids: Vec::new(),
-        ignore_eos: false,
-        prefill_breaks: Vec::new(),
-        cache_salt: super::cache_salt(tenant.as_deref(), req.cache_salt.as_deref()),
-        constraint: tool_use.as_ref().and_then(ToolUse::constraint),
-        speculative: req.speculative_decoding,
-        prune_keep_ratio: generation::keep_ratio(req.prompt_pruning.as_ref())
-            .map_err(|e| e.flavor(FLAVOR))?,
+    let mut params = Params::new(
+        prompt,
+        generation::sampling(req.temperature, req.top_p, req.top_k),
+    );
+    params.notices = notices;
+    params.max_tokens = Some(req.max_tokens);
+    params.stop = req.stop_sequences.clone().unwrap_or_default();
+    params.cache_salt = req.cache_salt.clone();
+    params.speculative = req.speculative_decoding;
+    params.prompt_pruning = req.prompt_pruning;
+    params.constraint = match output_format(req.output_config.as_ref())? {
+        Some(format) => Some(format),
+        None => tool_use.as_ref().and_then(ToolUse::constraint),
     };
-    let stream = generation::start(&state, &model, worker_req, FLAVOR).await?;
+    report_unapplied(&req, &mut params);
+    let stream = generation::start(&state, &model, params, tenant.as_deref(), FLAVOR).await?;
     let id = response_id("msg_");
     if req.stream {
-        return Ok(stream_events(stream, id, req.model, parser));
+        return Ok(generation::stream(
+            stream,
+            MessageEvents {
+                id,
+                model: req.model,
+                parser,
+                blocks: Blocks::default(),
+            },
+        ));
     }
-    let Collected { text, done, .. } = generation::collect(stream, FLAVOR).await?;
+    let Collected { text, done, .. } = generation::collect(stream).await?;
     let (text, calls) = match parser {
         Some(p) => p.split(&text),
         None => (text, Vec::new()),
@@ -374,98 +390,154 @@ pub async fn messages(
     Ok(generation::respond(body, &done))
 }
 
-/// message_start, ping, then content blocks (text as text_delta events; with tools offered,
-/// each call as a tool_use block with its input as one input_json_delta), message_delta (stop
-/// reason and usage), message_stop; an error ends the stream with an `error` event.
-fn stream_events(
-    mut stream: generation::GenerationStream,
+/// The request's tools without Anthropic's server tools (`web_search_…`, `code_execution_…`,
+/// typed `bash`/`text_editor` …), which run on Anthropic's side: each declined one is noted,
+/// and the model is offered the custom tools only.
+fn server_tools_declined(tools: Option<&[Value]>, notices: &mut Vec<pb::Notice>) -> Vec<Value> {
+    let mut kept = Vec::new();
+    for t in tools.unwrap_or_default() {
+        match t.get("type").and_then(Value::as_str) {
+            None | Some("custom") => kept.push(t.clone()),
+            Some(kind) => notices.push(pb::Notice {
+                feature: "server_tools".into(),
+                message: format!(
+                    "the server tool {kind:?} ({}) runs on Anthropic's side and is not offered to this model",
+                    t.get("name").and_then(Value::as_str).unwrap_or("unnamed")
+                ),
+            }),
+        }
+    }
+    kept
+}
+
+/// `output_config.format` (structured outputs) as a constraint on the answer.
+fn output_format(config: Option<&Value>) -> Result<Option<pb::Constraint>, ApiError> {
+    let Some(format) = config.and_then(|c| c.get("format")).filter(|f| !f.is_null()) else {
+        return Ok(None);
+    };
+    match format.get("type").and_then(Value::as_str) {
+        Some("json_schema") => {
+            let schema = format
+                .get("schema")
+                .ok_or_else(|| invalid("output_config.format.schema: field required"))?;
+            let chat_shape = json!({"type": "json_schema", "json_schema": {"name": "output", "schema": schema}});
+            tools::response_format(Some(&chat_shape)).map_err(|e| e.flavor(FLAVOR))
+        }
+        other => Err(invalid(format!(
+            "output_config.format.type: {:?} is not supported (json_schema)",
+            other.unwrap_or("")
+        ))),
+    }
+}
+
+/// Notes what the request asks for that this server does not do, so the answer says so.
+fn report_unapplied(req: &MessagesRequest, params: &mut Params) {
+    let thinking = req
+        .thinking
+        .as_ref()
+        .and_then(|t| t.get("type"))
+        .and_then(Value::as_str);
+    if let Some(kind @ ("enabled" | "adaptive")) = thinking {
+        params.not_applied(
+            "thinking",
+            format!("thinking {kind:?} asked for: this model has no thinking mode, so it answered without thinking"),
+        );
+    }
+    if let Some(effort) = req
+        .output_config
+        .as_ref()
+        .and_then(|c| c.get("effort"))
+        .and_then(Value::as_str)
+    {
+        params.not_applied(
+            "effort",
+            format!("output_config.effort {effort:?} has no setting on this model; it answered as always"),
+        );
+    }
+    if let Some(edits) = req
+        .context_management
+        .as_ref()
+        .and_then(|c| c.get("edits"))
+        .and_then(Value::as_array)
+        .filter(|e| !e.is_empty())
+    {
+        let kinds: Vec<&str> = edits
+            .iter()
+            .filter_map(|e| e.get("type").and_then(Value::as_str))
+            .collect();
+        params.not_applied(
+            "context_management",
+            format!(
+                "{} context edit(s) ({}) were not applied: the model read the conversation as sent",
+                edits.len(),
+                kinds.join(", ")
+            ),
+        );
+    }
+}
+
+/// A streamed message: message_start, ping, then content blocks (text as text_delta events;
+/// with tools offered, each call as a tool_use block with its input as one input_json_delta),
+/// message_delta (stop reason and usage), message_stop; an error ends it with an `error`
+/// event.
+struct MessageEvents {
     id: String,
     model: String,
-    mut parser: Option<CallParser>,
-) -> Response {
-    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(32);
-    tokio::spawn(async move {
-        // The worker's first event carries the prompt's size, which message_start reports.
-        let input_tokens = match stream.message().await {
-            Ok(Some(pb::GenerateEvent {
-                event: Some(generate_event::Event::Started(s)),
-            })) => s.prompt_tokens,
-            _ => 0,
-        };
-        let mut blocks = Blocks::default();
-        let start = vec![
+    parser: Option<CallParser>,
+    blocks: Blocks,
+}
+
+impl Encoder for MessageEvents {
+    fn start(&mut self, started: &pb::GenerateStarted) -> Vec<SseEvent> {
+        vec![
             sse_event(
                 "message_start",
                 json!({"type": "message_start", "message": {
-                    "id": id, "type": "message", "role": "assistant", "model": model, "content": [],
-                    "stop_reason": null, "stop_sequence": null,
-                    "usage": {"input_tokens": input_tokens, "output_tokens": 0},
+                    "id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                    "content": [], "stop_reason": null, "stop_sequence": null,
+                    "usage": {"input_tokens": started.prompt_tokens, "output_tokens": 0},
                 }}),
             ),
             sse_event("ping", json!({"type": "ping"})),
-        ];
-        if generation::send_all(&tx, start).await.is_err() {
-            return;
+        ]
+    }
+
+    fn delta(&mut self, d: pb::TokenDelta) -> Vec<SseEvent> {
+        if d.text.is_empty() {
+            return Vec::new();
         }
-        loop {
-            let item = tokio::select! {
-                item = stream.message() => item,
-                // The client disconnected: dropping the stream cancels the generation.
-                _ = tx.closed() => return,
-            };
-            let events = match item {
-                Ok(Some(ev)) => match ev.event {
-                    Some(generate_event::Event::Delta(d)) if !d.text.is_empty() => {
-                        let pieces = match parser.as_mut() {
-                            Some(p) => p.push(&d.text),
-                            None => vec![Piece::Text(d.text)],
-                        };
-                        blocks.events(pieces)
-                    }
-                    Some(generate_event::Event::Done(done)) => {
-                        let rest = parser.as_mut().map(CallParser::finish).unwrap_or_default();
-                        let mut events = blocks.events(rest);
-                        events.extend(blocks.close_all());
-                        let u = generation::usage(&done);
-                        let reason = stop_reason(generation::finish(&done), blocks.calls > 0);
-                        let mut delta = json!({"type": "message_delta",
-                            "delta": {"stop_reason": reason, "stop_sequence": null},
-                            "usage": usage_json(&u)});
-                        generation::annotate(&mut delta, &done);
-                        events.push(sse_event("message_delta", delta));
-                        events.push(sse_event("message_stop", json!({"type": "message_stop"})));
-                        let _ = generation::send_all(&tx, events).await;
-                        return;
-                    }
-                    _ => Vec::new(),
-                },
-                Ok(None) => {
-                    let e = ApiError::new(
-                        ErrorKind::Overloaded,
-                        "the worker ended the generation without finishing it",
-                    )
-                    .flavor(FLAVOR);
-                    let _ = tx.send(sse_event("error", e.body())).await;
-                    return;
-                }
-                Err(status) => {
-                    let e = from_worker_status(&status).flavor(FLAVOR);
-                    tracing::warn!(error = %e, "stream ended by an error");
-                    let _ = tx.send(sse_event("error", e.body())).await;
-                    return;
-                }
-            };
-            if generation::send_all(&tx, events).await.is_err() {
-                return;
-            }
-        }
-    });
-    Sse::new(ReceiverStream::new(rx))
-        .keep_alive(KeepAlive::default())
-        .into_response()
+        let pieces = match self.parser.as_mut() {
+            Some(p) => p.push(&d.text),
+            None => vec![Piece::Text(d.text)],
+        };
+        self.blocks.events(pieces)
+    }
+
+    fn done(&mut self, done: pb::GenerateDone) -> Vec<SseEvent> {
+        let rest = self
+            .parser
+            .as_mut()
+            .map(CallParser::finish)
+            .unwrap_or_default();
+        let mut events = self.blocks.events(rest);
+        events.extend(self.blocks.close_all());
+        let u = generation::usage(&done);
+        let reason = stop_reason(generation::finish(&done), self.blocks.calls > 0);
+        let mut delta = json!({"type": "message_delta",
+            "delta": {"stop_reason": reason, "stop_sequence": null},
+            "usage": usage_json(&u)});
+        generation::annotate(&mut delta, &done);
+        events.push(sse_event("message_delta", delta));
+        events.push(sse_event("message_stop", json!({"type": "message_stop"})));
+        events
+    }
+
+    fn error(&mut self, e: ApiError) -> Vec<SseEvent> {
+        vec![sse_event("error", e.flavor(FLAVOR).body())]
+    }
 }
 
-fn sse_event(name: &str, data: Value) -> Result<Event, Infallible> {
+fn sse_event(name: &str, data: Value) -> SseEvent {
     Ok(Event::default().event(name).data(data.to_string()))
 }
 
@@ -480,7 +552,7 @@ struct Blocks {
 }
 
 impl Blocks {
-    fn events(&mut self, pieces: Vec<Piece>) -> Vec<Result<Event, Infallible>> {
+    fn events(&mut self, pieces: Vec<Piece>) -> Vec<SseEvent> {
         let mut out = Vec::new();
         for piece in pieces {
             match piece {
@@ -527,7 +599,7 @@ impl Blocks {
         out
     }
 
-    fn close_text(&mut self) -> Vec<Result<Event, Infallible>> {
+    fn close_text(&mut self) -> Vec<SseEvent> {
         if !self.text_open {
             return Vec::new();
         }
@@ -540,7 +612,7 @@ impl Blocks {
 
     /// At the end: the open text block closed; a message with no block gets an empty text
     /// block, as a non-streamed one has.
-    fn close_all(&mut self) -> Vec<Result<Event, Infallible>> {
+    fn close_all(&mut self) -> Vec<SseEvent> {
         if self.count == 0 {
             let mut out = self.events(vec![Piece::Text(String::new())]);
             out.pop();
@@ -563,8 +635,9 @@ pub async fn count_tokens(State(state): State<AppState>, body: Body) -> Result<R
         .registry
         .resolve(&req.model)
         .map_err(|e| e.flavor(FLAVOR))?;
-    let tool_use = ToolUse::anthropic(req.tools.as_deref(), req.tool_choice.as_ref())
-        .map_err(|e| e.flavor(FLAVOR))?;
+    let tools = server_tools_declined(req.tools.as_deref(), &mut Vec::new());
+    let tool_use =
+        ToolUse::anthropic(Some(&tools), req.tool_choice.as_ref()).map_err(|e| e.flavor(FLAVOR))?;
     let prompt = chat_prompt(
         &state,
         model.kind == ModelKind::Vlm,

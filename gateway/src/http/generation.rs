@@ -1,6 +1,10 @@
-//! What both APIs share: reading a JSON body within limits, calling a worker's Generate with a
-//! deadline, and collecting a stream into one answer. Dropping a stream (the client went away)
-//! resets the gRPC stream, which cancels the generation in the worker.
+//! The one generation pipeline of the three APIs (OpenAI chat and completions, Anthropic
+//! messages, OpenAI responses): each API decodes its body into `Params`, `start` checks them
+//! and calls the worker's Generate with a deadline, and the answer is either collected whole
+//! (`collect`) or streamed through the API's `Encoder` (`stream`). Notices of features asked
+//! for and not applied travel with the generation and come out once, in every API's shape.
+//! Dropping a stream (the client went away) resets the gRPC stream, which cancels the
+//! generation in the worker.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -11,8 +15,10 @@ use serde::de::DeserializeOwned;
 use strata_proto::worker::{self as pb, generate_event};
 use tonic::Streaming;
 
-use super::AppState;
+use axum::response::Response;
+
 use super::error::{ApiError, ErrorKind, Flavor, from_worker_status};
+use super::{AppState, TenantKey};
 use super::metrics::GenerationMeter;
 use crate::workers::{InFlight, ModelEntry};
 
@@ -100,14 +106,135 @@ pub fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
-/// Starts a generation; errors the worker finds before the first token (bad input, context
-/// exceeded, queue full) come back here, so the HTTP status can still say so.
+/// What every API's request comes down to before it goes to a worker: the one request
+/// builder of the three APIs. Each API decodes its own body into this; the checks that do not
+/// depend on the API are made here, once.
+pub struct Params {
+    pub prompt: pb::Prompt,
+    /// None: as many as the context leaves room for (the worker clamps larger values).
+    pub max_tokens: Option<u32>,
+    /// The API's name for `max_tokens`, for error messages.
+    pub max_tokens_param: &'static str,
+    pub sampling: pb::Sampling,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+    pub cache_salt: Option<String>,
+    pub prefill_breaks: Vec<u32>,
+    pub constraint: Option<pb::Constraint>,
+    pub speculative: Option<bool>,
+    pub prompt_pruning: Option<PromptPruning>,
+    /// Optional features the request asked for that the gateway already knows will not apply
+    /// (thinking on a model without it, hosted tools, …): reported with the worker's own.
+    pub notices: Vec<pb::Notice>,
+}
+
+/// Most stop sequences a request may send, and the longest one in bytes.
+const MAX_STOP_SEQUENCES: usize = 16;
+const MAX_STOP_BYTES: usize = 1024;
+
+impl Params {
+    pub fn new(prompt: pb::Prompt, sampling: pb::Sampling) -> Self {
+        Self {
+            prompt,
+            max_tokens: None,
+            max_tokens_param: "max_tokens",
+            sampling,
+            stop: Vec::new(),
+            ignore_eos: false,
+            cache_salt: None,
+            prefill_breaks: Vec::new(),
+            constraint: None,
+            speculative: None,
+            prompt_pruning: None,
+            notices: Vec::new(),
+        }
+    }
+
+    /// Notes an optional feature that was asked for and is not applied (logged, counted and
+    /// shown in /admin with the rest when the generation ends).
+    pub fn not_applied(&mut self, feature: &str, message: impl Into<String>) {
+        self.notices.push(pb::Notice {
+            feature: feature.to_string(),
+            message: message.into(),
+        });
+    }
+
+    /// The worker's request, after the checks every API shares.
+    fn into_worker(
+        self,
+        model: &ModelEntry,
+        tenant: Option<&TenantKey>,
+    ) -> Result<(pb::GenerateRequest, Vec<pb::Notice>), ApiError> {
+        let mut notices = self.notices;
+        if self.max_tokens == Some(0) {
+            return Err(
+                ApiError::invalid(format!("{} must be at least 1", self.max_tokens_param))
+                    .param(self.max_tokens_param),
+            );
+        }
+        // The model's own cap on answers (its config), applied before the context's.
+        let max_tokens = match (self.max_tokens, model.max_output_tokens) {
+            (Some(n), Some(cap)) if n > cap => {
+                notices.push(pb::Notice {
+                    feature: "max_tokens".into(),
+                    message: format!(
+                        "{} {n} clamped to {cap}, this model's max_output_tokens",
+                        self.max_tokens_param
+                    ),
+                });
+                cap
+            }
+            (None, Some(cap)) => cap,
+            (Some(n), _) => n,
+            (None, None) => 0,
+        };
+        if self.stop.len() > MAX_STOP_SEQUENCES {
+            return Err(ApiError::invalid(format!(
+                "at most {MAX_STOP_SEQUENCES} stop sequences"
+            ))
+            .param("stop"));
+        }
+        if self.stop.iter().any(|s| s.len() > MAX_STOP_BYTES) {
+            return Err(ApiError::invalid(format!(
+                "a stop sequence may be at most {MAX_STOP_BYTES} bytes long"
+            ))
+            .param("stop"));
+        }
+        if self.prefill_breaks.len() > 64 {
+            return Err(ApiError::invalid("at most 64 prefill_breaks").param("prefill_breaks"));
+        }
+        let request = pb::GenerateRequest {
+            request_id: String::new(),
+            prompt: Some(self.prompt),
+            max_tokens,
+            sampling: Some(self.sampling),
+            stop: self.stop,
+            stop_token_ids: Vec::new(),
+            ignore_eos: self.ignore_eos,
+            cache_salt: super::cache_salt(tenant, self.cache_salt.as_deref()),
+            prefill_breaks: self.prefill_breaks,
+            constraint: self.constraint,
+            speculative: self.speculative,
+            prune_keep_ratio: keep_ratio(self.prompt_pruning.as_ref())?,
+        };
+        Ok((request, notices))
+    }
+}
+
+/// Starts a generation: builds the worker's request, loads the model if needed and waits for
+/// the worker's first event. Errors the worker finds before the first token (bad input,
+/// context exceeded, queue full) come back here, so the HTTP status can still say so.
 pub async fn start(
     state: &AppState,
     model: &Arc<ModelEntry>,
-    request: pb::GenerateRequest,
+    params: Params,
+    tenant: Option<&TenantKey>,
     flavor: Flavor,
 ) -> Result<GenerationStream, ApiError> {
+    let max_tokens_param = params.max_tokens_param;
+    let (request, notices) = params
+        .into_worker(model, tenant)
+        .map_err(|e| e.flavor(flavor))?;
     let meter = GenerationMeter::new(&model.id);
     // Loads the model first when it is not (on first request, or after an LRU unload).
     let (mut client, in_flight) = state
@@ -118,33 +245,51 @@ pub async fn start(
     let mut req = tonic::Request::new(request);
     req.set_timeout(state.request_timeout);
     strata_runtime::logging::inject(&mut req);
-    match client.generate(req).await {
-        Ok(r) => Ok(GenerationStream {
-            inner: r.into_inner(),
-            meter,
-            _in_flight: in_flight,
-        }),
+    let mut inner = match client.generate(req).await {
+        Ok(r) => r.into_inner(),
         Err(s) => {
             meter.failed();
-            Err(from_worker_status(&s).flavor(flavor))
+            return Err(from_worker_status(&s).flavor(flavor));
         }
-    }
-}
-
-/// Sampling as the APIs without penalties or seeds ask for it (Anthropic, Responses): their
-/// defaults are temperature 1 and no top-p or top-k cut.
-pub fn sampling(temperature: Option<f32>, top_p: Option<f32>, top_k: Option<u32>) -> pb::Sampling {
-    pb::Sampling {
-        temperature: temperature.unwrap_or(1.0),
-        top_p: top_p.unwrap_or(1.0),
-        top_k: top_k.unwrap_or(0),
-        min_p: 0.0,
-        repetition_penalty: 1.0,
-        presence_penalty: 0.0,
-        frequency_penalty: 0.0,
-        seed: None,
-        logprobs: None,
-    }
+    };
+    // The worker sends Started as soon as it accepts the request.
+    let started = match inner.message().await {
+        Ok(Some(pb::GenerateEvent {
+            event: Some(generate_event::Event::Started(s)),
+        })) => s,
+        Ok(_) => {
+            meter.failed();
+            return Err(ApiError::new(
+                ErrorKind::Overloaded,
+                "the worker ended the generation without starting it",
+            )
+            .flavor(flavor));
+        }
+        Err(s) => {
+            meter.failed();
+            return Err(from_worker_status(&s).flavor(flavor));
+        }
+    };
+    // The worker names the field `max_tokens`; say it in the API's own words.
+    let notices = notices
+        .into_iter()
+        .chain(started.notices.iter().cloned().map(|mut n| {
+            if n.feature == "max_tokens"
+                && let Some(rest) = n.message.strip_prefix("max_tokens ")
+            {
+                n.message = format!("{max_tokens_param} {rest}");
+            }
+            n
+        }))
+        .collect();
+    Ok(GenerationStream {
+        inner,
+        meter,
+        started,
+        notices,
+        flavor,
+        _in_flight: in_flight,
+    })
 }
 
 /// An SSE event as the streaming endpoints queue it.
@@ -165,23 +310,125 @@ pub async fn send_all(
 pub struct GenerationStream {
     inner: Streaming<pb::GenerateEvent>,
     meter: GenerationMeter,
+    /// The worker's first event: the prompt's size, what it changed in the request.
+    pub started: pb::GenerateStarted,
+    /// Every notice known before the first token (the gateway's and the worker's Started
+    /// ones); merged into the Done event's.
+    pub notices: Vec<pb::Notice>,
+    flavor: Flavor,
     /// The model stays loaded while the stream lasts.
     _in_flight: InFlight,
 }
 
+/// One step of a generation, as the pipeline hands it to an API's encoder.
+pub enum Step {
+    Delta(pb::TokenDelta),
+    /// The end, with every notice of the request (gateway's and worker's) in `notices`.
+    Done(pb::GenerateDone),
+}
+
 impl GenerationStream {
-    pub async fn message(&mut self) -> Result<Option<pb::GenerateEvent>, tonic::Status> {
-        let item = self.inner.message().await;
-        match &item {
-            Ok(Some(e)) => match &e.event {
-                Some(generate_event::Event::Delta(_)) => self.meter.token(),
-                Some(generate_event::Event::Done(d)) => self.meter.done(d),
-                _ => {}
-            },
-            Ok(None) => {}
-            Err(_) => self.meter.failed(),
+    /// The next delta or the end; an error when the worker failed or went away.
+    pub async fn next(&mut self) -> Result<Step, ApiError> {
+        loop {
+            let item = self.inner.message().await;
+            match item {
+                Ok(Some(e)) => match e.event {
+                    Some(generate_event::Event::Delta(d)) => {
+                        self.meter.token();
+                        return Ok(Step::Delta(d));
+                    }
+                    Some(generate_event::Event::Done(mut d)) => {
+                        let early = std::mem::take(&mut self.notices);
+                        d.notices.splice(0..0, early);
+                        self.meter.done(&d);
+                        return Ok(Step::Done(d));
+                    }
+                    Some(generate_event::Event::Started(_)) | None => {}
+                },
+                Ok(None) => {
+                    self.meter.failed();
+                    return Err(ApiError::new(
+                        ErrorKind::Overloaded,
+                        "the worker ended the generation without finishing it",
+                    )
+                    .flavor(self.flavor));
+                }
+                Err(status) => {
+                    self.meter.failed();
+                    return Err(from_worker_status(&status).flavor(self.flavor));
+                }
+            }
         }
-        item
+    }
+}
+
+/// How an API writes a generation as server-sent events. The pipeline calls `start` once,
+/// `delta` per worker delta, then `done` or `error` last.
+pub trait Encoder: Send + 'static {
+    fn start(&mut self, started: &pb::GenerateStarted) -> Vec<SseEvent>;
+    fn delta(&mut self, delta: pb::TokenDelta) -> Vec<SseEvent>;
+    fn done(&mut self, done: pb::GenerateDone) -> Vec<SseEvent>;
+    fn error(&mut self, error: ApiError) -> Vec<SseEvent>;
+}
+
+/// The one streaming pipeline of the three APIs: a task reads the worker's stream and sends
+/// what the encoder makes of each step. Cancellation is the pipeline being dropped: when the
+/// client goes, the task stops reading and drops the worker stream, which resets the gRPC
+/// stream and cancels the generation in the worker.
+pub fn stream(mut generation: GenerationStream, mut encoder: impl Encoder) -> Response {
+    use axum::response::IntoResponse;
+    use axum::response::sse::{KeepAlive, Sse};
+    let warnings = warnings_header(&generation.notices);
+    let (tx, rx) = tokio::sync::mpsc::channel::<SseEvent>(32);
+    tokio::spawn(async move {
+        if send_all(&tx, encoder.start(&generation.started))
+            .await
+            .is_err()
+        {
+            return;
+        }
+        loop {
+            let step = tokio::select! {
+                step = generation.next() => step,
+                // The client disconnected: stop reading; dropping the stream cancels the work.
+                _ = tx.closed() => return,
+            };
+            let (events, last) = match step {
+                Ok(Step::Delta(d)) => (encoder.delta(d), false),
+                Ok(Step::Done(done)) => (encoder.done(done), true),
+                Err(e) => {
+                    tracing::warn!(error = %e, "stream ended by an error");
+                    (encoder.error(e), true)
+                }
+            };
+            if send_all(&tx, events).await.is_err() || last {
+                return;
+            }
+        }
+    });
+    let mut response = Sse::new(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .keep_alive(KeepAlive::default())
+        .into_response();
+    if let Some(v) = warnings {
+        response.headers_mut().insert(WARNINGS_HEADER, v);
+    }
+    response
+}
+
+/// Sampling as the APIs without penalties or seeds ask for it (Anthropic, Responses): their
+/// defaults are temperature 1 and no top-p or top-k cut.
+pub fn sampling(temperature: Option<f32>, top_p: Option<f32>, top_k: Option<u32>) -> pb::Sampling {
+    pb::Sampling {
+        temperature: temperature.unwrap_or(1.0),
+        top_p: top_p.unwrap_or(1.0),
+        top_k: top_k.unwrap_or(0),
+        min_p: 0.0,
+        repetition_penalty: 1.0,
+        presence_penalty: 0.0,
+        frequency_penalty: 0.0,
+        seed: None,
+        logprobs: None,
     }
 }
 
@@ -211,29 +458,18 @@ pub struct Collected {
     pub done: pb::GenerateDone,
 }
 
-pub async fn collect(mut stream: GenerationStream, flavor: Flavor) -> Result<Collected, ApiError> {
+pub async fn collect(mut stream: GenerationStream) -> Result<Collected, ApiError> {
     let mut out = Collected::default();
     loop {
-        match stream.message().await {
-            Ok(Some(event)) => match event.event {
-                Some(generate_event::Event::Delta(d)) => {
-                    out.text.push_str(&d.text);
-                    out.logprobs.extend(d.logprobs);
-                }
-                Some(generate_event::Event::Done(done)) => {
-                    out.done = done;
-                    return Ok(out);
-                }
-                Some(generate_event::Event::Started(_)) | None => {}
-            },
-            Ok(None) => {
-                return Err(ApiError::new(
-                    ErrorKind::Overloaded,
-                    "the worker ended the generation without finishing it",
-                )
-                .flavor(flavor));
+        match stream.next().await? {
+            Step::Delta(d) => {
+                out.text.push_str(&d.text);
+                out.logprobs.extend(d.logprobs);
             }
-            Err(status) => return Err(from_worker_status(&status).flavor(flavor)),
+            Step::Done(done) => {
+                out.done = done;
+                return Ok(out);
+            }
         }
     }
 }
@@ -254,7 +490,7 @@ pub fn finish(done: &pb::GenerateDone) -> pb::FinishReason {
 
 /// Strata's extension: SpecPrefill-style prompt pruning. The draft model scores the prompt
 /// and only `keep_ratio` of it is prefilled; the answer can differ from a full prefill's.
-#[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, Copy, serde::Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PromptPruning {
     /// The fraction of the prompt to prefill, in (0, 1].
@@ -318,32 +554,37 @@ pub fn annotate(body: &mut serde_json::Value, done: &pb::GenerateDone) {
     }
 }
 
+/// The warnings header's value for these notices: `feature: message` entries separated by
+/// "; ", as visible ASCII (header values must be).
+fn warnings_header(notices: &[pb::Notice]) -> Option<axum::http::HeaderValue> {
+    if notices.is_empty() {
+        return None;
+    }
+    let text: Vec<String> = notices
+        .iter()
+        .map(|n| format!("{}: {}", n.feature, n.message))
+        .collect();
+    let ascii: String = text
+        .join("; ")
+        .chars()
+        .map(|c| {
+            if c.is_ascii() && !c.is_ascii_control() {
+                c
+            } else {
+                '?'
+            }
+        })
+        .collect();
+    axum::http::HeaderValue::from_str(&ascii).ok()
+}
+
 /// A non-streaming response as JSON, with its extension fields and the warnings header.
-pub fn respond(mut body: serde_json::Value, done: &pb::GenerateDone) -> axum::response::Response {
+pub fn respond(mut body: serde_json::Value, done: &pb::GenerateDone) -> Response {
     use axum::response::IntoResponse;
     annotate(&mut body, done);
     let mut response = axum::Json(body).into_response();
-    if !done.notices.is_empty() {
-        let text: Vec<String> = done
-            .notices
-            .iter()
-            .map(|n| format!("{}: {}", n.feature, n.message))
-            .collect();
-        // Header values must be visible ASCII; messages are ours, but be safe.
-        let ascii: String = text
-            .join("; ")
-            .chars()
-            .map(|c| {
-                if c.is_ascii() && !c.is_ascii_control() {
-                    c
-                } else {
-                    '?'
-                }
-            })
-            .collect();
-        if let Ok(v) = axum::http::HeaderValue::from_str(&ascii) {
-            response.headers_mut().insert(WARNINGS_HEADER, v);
-        }
+    if let Some(v) = warnings_header(&done.notices) {
+        response.headers_mut().insert(WARNINGS_HEADER, v);
     }
     response
 }

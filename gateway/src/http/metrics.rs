@@ -62,6 +62,45 @@ fn token_totals() -> &'static Mutex<HashMap<String, (u64, u64)>> {
     TOTALS.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
+/// Per model and feature: how many requests asked for it and did not get it, and the last
+/// message, for /admin (the gateway's notices and the workers' alike).
+type NotApplied = HashMap<String, std::collections::BTreeMap<String, (u64, String)>>;
+
+fn not_applied_totals() -> &'static Mutex<NotApplied> {
+    static TOTALS: OnceLock<Mutex<NotApplied>> = OnceLock::new();
+    TOTALS.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+fn record_not_applied(model: &str, feature: &str, message: &str) {
+    let mut totals = not_applied_totals()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    let entry = totals
+        .entry(model.to_string())
+        .or_default()
+        .entry(feature.to_string())
+        .or_default();
+    entry.0 += 1;
+    entry.1 = message.to_string();
+}
+
+/// `{feature: {"requests": n, "last": message}}` for one model, for /admin.
+pub fn not_applied_json(model: &str) -> serde_json::Value {
+    let totals = not_applied_totals()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    totals
+        .get(model)
+        .map(|features| {
+            features
+                .iter()
+                .map(|(f, (n, last))| (f.clone(), serde_json::json!({"requests": n, "last": last})))
+                .collect::<serde_json::Map<_, _>>()
+        })
+        .map(serde_json::Value::Object)
+        .unwrap_or_else(|| serde_json::json!({}))
+}
+
 /// Watches one generation's events: TTFT at the first token, the gap between later ones,
 /// and the usage at the end.
 pub struct GenerationMeter {
@@ -110,6 +149,7 @@ impl GenerationMeter {
         counter!("strata_generations_total", "model" => self.model.clone(), "outcome" => "ok")
             .increment(1);
         for n in &done.notices {
+            record_not_applied(&self.model, &n.feature, &n.message);
             tracing::info!(model = %self.model, feature = %n.feature, "feature not applied: {}", n.message);
             counter!("strata_feature_not_applied_total", "model" => self.model.clone(), "feature" => n.feature.clone())
                 .increment(1);

@@ -53,7 +53,10 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models", get(openai::models))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
-        .route("/v1/responses", post(responses::create))
+        .route(
+            "/v1/responses",
+            post(responses::create).get(responses::websocket),
+        )
         .route("/v1/embeddings", post(embeddings::embeddings))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
@@ -65,6 +68,10 @@ pub fn router(state: AppState) -> Router {
         .merge(v1)
         .merge(admin::router(state.clone()))
         .route("/health", get(health))
+        // Connection probes: agents send `HEAD /` or `HEAD /api/hello` (Claude Code) before
+        // their first request; answered at once, without a key (they carry none).
+        .route("/", get(hello))
+        .route("/api/hello", get(hello))
         .route("/openapi.json", get(openapi::document))
         .route("/metrics", get(metrics::scrape))
         // The pages hold no data: their scripts fetch it with the admin token (or API key).
@@ -74,6 +81,10 @@ pub fn router(state: AppState) -> Router {
         .route_layer(middleware::from_fn(traced))
         .fallback(not_found)
         .with_state(state)
+}
+
+async fn hello() -> &'static str {
+    "Strata is running\n"
 }
 
 async fn dashboard_page() -> axum::response::Html<&'static str> {

@@ -1,21 +1,21 @@
 //! OpenAI's API: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions`,
 //! streaming (SSE ending with `data: [DONE]`) and not.
 
-use std::convert::Infallible;
-
 use axum::body::Body;
 use axum::extract::State;
-use axum::response::sse::{Event, KeepAlive, Sse};
-use axum::response::{IntoResponse, Json, Response};
+use axum::response::sse::Event;
+use axum::response::{Json, Response};
 use serde::Deserialize;
 use serde_json::{Value, json};
-use strata_proto::worker::{self as pb, generate_event};
-use tokio_stream::wrappers::ReceiverStream;
+use strata_proto::worker as pb;
 
 use super::error::{ApiError, Flavor};
-use super::generation::{self, Collected, from_value, read_value, response_id, unix_now};
+use super::generation::{
+    self, Collected, Encoder, Params, PromptPruning, SseEvent, from_value, read_value,
+    response_id, unix_now,
+};
 use super::images::{self, ImageSource};
-use super::tools::{self, Piece, ToolUse};
+use super::tools::{self, CallParser, Piece, ToolUse};
 use super::{AppState, TenantKey};
 use crate::config::ModelKind;
 use axum::Extension;
@@ -62,7 +62,7 @@ pub struct Common {
     /// configuration].
     speculative_decoding: Option<bool>,
     /// Strata's extension: SpecPrefill, `{"keep_ratio": 0.3}` (see `PromptPruning`).
-    prompt_pruning: Option<super::generation::PromptPruning>,
+    prompt_pruning: Option<PromptPruning>,
     /// Strata's extension: extra prefill chunk ends (token positions), to reproduce exactly
     /// the arithmetic of a run that resumed from a cached partial block (verification).
     #[serde(default)]
@@ -110,13 +110,9 @@ pub struct CompletionRequest {
 }
 
 impl Common {
-    /// Checks what the worker cannot (or should not have to), and builds its request.
-    fn to_worker(
-        &self,
-        prompt: pb::Prompt,
-        logprobs: Option<u32>,
-        tenant: Option<&TenantKey>,
-    ) -> Result<pb::GenerateRequest, ApiError> {
+    /// The pipeline's parameters for this request's `prompt`, after the checks that are
+    /// OpenAI's own.
+    fn params(&self, prompt: pb::Prompt, logprobs: Option<u32>) -> Result<Params, ApiError> {
         if self.model.is_empty() {
             return Err(ApiError::invalid("model must not be empty").param("model"));
         }
@@ -128,49 +124,33 @@ impl Common {
             ))
             .param("n"));
         }
-        let max_tokens = self.max_completion_tokens.or(self.max_tokens);
-        if max_tokens == Some(0) {
-            return Err(ApiError::invalid("max_tokens must be at least 1").param("max_tokens"));
+        let sampling = pb::Sampling {
+            temperature: self.temperature.unwrap_or(1.0),
+            top_p: self.top_p.unwrap_or(1.0),
+            top_k: self.top_k.unwrap_or(0),
+            min_p: self.min_p.unwrap_or(0.0),
+            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+            presence_penalty: self.presence_penalty.unwrap_or(0.0),
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            seed: self.seed,
+            logprobs,
+        };
+        let mut p = Params::new(prompt, sampling);
+        p.max_tokens = self.max_completion_tokens.or(self.max_tokens);
+        if self.max_completion_tokens.is_some() {
+            p.max_tokens_param = "max_completion_tokens";
         }
-        let stop = self
-            .stop
-            .as_ref()
-            .map(|s| match s {
-                Stop::One(s) => vec![s.clone()],
-                Stop::Many(v) => v.clone(),
-            })
-            .unwrap_or_default();
-        if self.prefill_breaks.len() > 64 {
-            return Err(ApiError::invalid("at most 64 prefill_breaks").param("prefill_breaks"));
-        }
-        if stop.len() > 16 {
-            return Err(ApiError::invalid("at most 16 stop sequences").param("stop"));
-        }
-        Ok(pb::GenerateRequest {
-            request_id: String::new(),
-            prompt: Some(prompt),
-            // 0: as many as the context leaves room for.
-            max_tokens: max_tokens.unwrap_or(0),
-            sampling: Some(pb::Sampling {
-                temperature: self.temperature.unwrap_or(1.0),
-                top_p: self.top_p.unwrap_or(1.0),
-                top_k: self.top_k.unwrap_or(0),
-                min_p: self.min_p.unwrap_or(0.0),
-                repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
-                presence_penalty: self.presence_penalty.unwrap_or(0.0),
-                frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
-                seed: self.seed,
-                logprobs,
-            }),
-            stop,
-            stop_token_ids: Vec::new(),
-            ignore_eos: self.ignore_eos.unwrap_or(false),
-            cache_salt: super::cache_salt(tenant, self.cache_salt.as_deref()),
-            prefill_breaks: self.prefill_breaks.clone(),
-            constraint: None,
-            speculative: self.speculative_decoding,
-            prune_keep_ratio: super::generation::keep_ratio(self.prompt_pruning.as_ref())?,
-        })
+        p.stop = match &self.stop {
+            None => Vec::new(),
+            Some(Stop::One(s)) => vec![s.clone()],
+            Some(Stop::Many(v)) => v.clone(),
+        };
+        p.ignore_eos = self.ignore_eos.unwrap_or(false);
+        p.cache_salt = self.cache_salt.clone();
+        p.prefill_breaks = self.prefill_breaks.clone();
+        p.speculative = self.speculative_decoding;
+        p.prompt_pruning = self.prompt_pruning;
+        Ok(p)
     }
 }
 
@@ -385,13 +365,44 @@ pub async fn models(State(state): State<AppState>) -> Json<Value> {
                 .state()
                 .map(|s| format!("{:?}", s.phase).to_lowercase())
                 .unwrap_or_else(|| "unloaded".into());
-            std::iter::once(&m.id).chain(&m.aliases).map(move |id| {
+            // Alias patterns (`claude-*`) route names; they are not names to list.
+            let names = std::iter::once(&m.id).chain(m.aliases.iter().filter(|a| !a.contains('*')));
+            names.map(move |id| {
+                // OpenAI's fields, then Anthropic's (its SDKs and Claude Code's gateway model
+                // discovery read `type`, `display_name`, `created_at`).
                 json!({"id": id, "object": "model", "created": created, "owned_by": "strata",
+                       "type": "model", "display_name": id, "created_at": rfc3339(created),
                        "kind": m.kind, "state": state})
             })
         })
         .collect();
-    Json(json!({"object": "list", "data": data}))
+    let first_id = data.first().map(|m| m["id"].clone()).unwrap_or(Value::Null);
+    let last_id = data.last().map(|m| m["id"].clone()).unwrap_or(Value::Null);
+    Json(json!({"object": "list", "data": data, "has_more": false,
+                "first_id": first_id, "last_id": last_id}))
+}
+
+/// Seconds since the Unix epoch as an RFC 3339 UTC time (Anthropic's `created_at`). Civil
+/// date from days since the epoch, as in Howard Hinnant's `civil_from_days`; a date crate for
+/// one timestamp is not worth the dependency.
+fn rfc3339(unix: u64) -> String {
+    let days = (unix / 86_400) as i64;
+    let secs = unix % 86_400;
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        secs / 3600,
+        secs / 60 % 60,
+        secs % 60
+    )
 }
 
 /// The body of `POST /v1/chat/completions`, for the OpenAPI document (the handler reads the
@@ -466,78 +477,33 @@ pub async fn chat_completions(
         _ => None,
     };
     let as_ids = req.return_tokens_as_token_ids;
-    let mut worker_req = common.to_worker(prompt, logprobs, tenant.as_deref())?;
-    worker_req.constraint = constraint;
-    let stream = generation::start(&state, &model, worker_req, FLAVOR).await?;
+    let mut params = common.params(prompt, logprobs)?;
+    params.constraint = constraint;
+    let stream = generation::start(&state, &model, params, tenant.as_deref(), FLAVOR).await?;
     let id = response_id("chatcmpl-");
     let created = unix_now();
     let model_name = common.model.clone();
     if common.stream {
-        let include_usage = common.stream_options.is_some_and(|o| o.include_usage);
         // With tools offered, the text goes through the call parser: calls come out as
         // `tool_calls` deltas, the rest as content.
-        let mut parser = parser;
-        let mut calls_sent = 0;
-        return Ok(sse(stream, move |part| {
-            let chunk = |delta: Value, lp: Value, finish: Value| {
-                json!({
-                    "id": id, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}],
-                })
-            };
-            match part {
-                Part::Start => vec![chunk(
-                    json!({"role": "assistant", "content": ""}),
-                    Value::Null,
-                    Value::Null,
-                )],
-                Part::Delta(d) => {
-                    let mut lp = if d.logprobs.is_empty() {
-                        Value::Null
-                    } else {
-                        chat_logprobs(&d.logprobs, as_ids)
-                    };
-                    let deltas = match parser.as_mut() {
-                        None => vec![json!({"content": d.text})],
-                        Some(p) => tool_deltas(p.push(&d.text), &mut calls_sent),
-                    };
-                    let mut out: Vec<Value> = deltas
-                        .into_iter()
-                        .map(|delta| chunk(delta, std::mem::take(&mut lp), Value::Null))
-                        .collect();
-                    if out.is_empty() && !lp.is_null() {
-                        out.push(chunk(json!({"content": ""}), lp, Value::Null));
-                    }
-                    out
-                }
-                Part::Done(done) => {
-                    let mut out: Vec<Value> = match parser.as_mut() {
-                        None => Vec::new(),
-                        Some(p) => tool_deltas(p.finish(), &mut calls_sent)
-                            .into_iter()
-                            .map(|delta| chunk(delta, Value::Null, Value::Null))
-                            .collect(),
-                    };
-                    let reason = chat_finish_reason(generation::finish(done), calls_sent > 0);
-                    let mut last = chunk(json!({}), Value::Null, json!(reason));
-                    generation::annotate(&mut last, done);
-                    out.push(last);
-                    if include_usage {
-                        out.push(json!({
-                            "id": id, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                            "choices": [], "usage": usage_json(&generation::usage(done)),
-                        }));
-                    }
-                    out
-                }
-            }
-        }));
+        return Ok(generation::stream(
+            stream,
+            ChatChunks {
+                id,
+                created,
+                model: model_name,
+                include_usage: common.stream_options.is_some_and(|o| o.include_usage),
+                parser,
+                calls_sent: 0,
+                as_ids,
+            },
+        ));
     }
     let Collected {
         text,
         logprobs: lps,
         done,
-    } = generation::collect(stream, FLAVOR).await?;
+    } = generation::collect(stream).await?;
     let lp = if logprobs.is_some() {
         chat_logprobs(&lps, as_ids)
     } else {
@@ -574,6 +540,174 @@ pub async fn chat_completions(
         "usage": usage_json(&generation::usage(&done)),
     });
     Ok(generation::respond(body, &done))
+}
+
+/// An OpenAI stream's `data:` event.
+fn data(v: &Value) -> SseEvent {
+    Ok(Event::default().data(v.to_string()))
+}
+
+/// OpenAI streams end with `data: [DONE]`, after an error too.
+fn done_marker() -> SseEvent {
+    Ok(Event::default().data("[DONE]"))
+}
+
+/// An error inside an OpenAI stream: a last `data: {"error": …}`, then `[DONE]`.
+fn stream_error(e: ApiError) -> Vec<SseEvent> {
+    vec![data(&e.flavor(FLAVOR).body()), done_marker()]
+}
+
+/// Chat completion chunks: the role first, then content (or `tool_calls`) deltas, the finish
+/// reason with Strata's extension fields, the usage chunk when asked for, `[DONE]`.
+struct ChatChunks {
+    id: String,
+    created: u64,
+    model: String,
+    include_usage: bool,
+    parser: Option<CallParser>,
+    calls_sent: usize,
+    as_ids: bool,
+}
+
+impl ChatChunks {
+    fn chunk(&self, delta: Value, logprobs: Value, finish: Value) -> Value {
+        json!({
+            "id": self.id, "object": "chat.completion.chunk", "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+        })
+    }
+}
+
+impl Encoder for ChatChunks {
+    fn start(&mut self, _: &pb::GenerateStarted) -> Vec<SseEvent> {
+        let first = self.chunk(
+            json!({"role": "assistant", "content": ""}),
+            Value::Null,
+            Value::Null,
+        );
+        vec![data(&first)]
+    }
+
+    fn delta(&mut self, d: pb::TokenDelta) -> Vec<SseEvent> {
+        let mut lp = if d.logprobs.is_empty() {
+            Value::Null
+        } else {
+            chat_logprobs(&d.logprobs, self.as_ids)
+        };
+        let deltas = match self.parser.as_mut() {
+            None => vec![json!({"content": d.text})],
+            Some(p) => tool_deltas(p.push(&d.text), &mut self.calls_sent),
+        };
+        let mut out: Vec<SseEvent> = deltas
+            .into_iter()
+            .map(|delta| data(&self.chunk(delta, std::mem::take(&mut lp), Value::Null)))
+            .collect();
+        if out.is_empty() && !lp.is_null() {
+            out.push(data(&self.chunk(json!({"content": ""}), lp, Value::Null)));
+        }
+        out
+    }
+
+    fn done(&mut self, done: pb::GenerateDone) -> Vec<SseEvent> {
+        let rest = match self.parser.as_mut() {
+            None => Vec::new(),
+            Some(p) => tool_deltas(p.finish(), &mut self.calls_sent),
+        };
+        let mut out: Vec<SseEvent> = rest
+            .into_iter()
+            .map(|delta| data(&self.chunk(delta, Value::Null, Value::Null)))
+            .collect();
+        let reason = chat_finish_reason(generation::finish(&done), self.calls_sent > 0);
+        let mut last = self.chunk(json!({}), Value::Null, json!(reason));
+        generation::annotate(&mut last, &done);
+        out.push(data(&last));
+        if self.include_usage {
+            out.push(data(&json!({
+                "id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model, "choices": [],
+                "usage": usage_json(&generation::usage(&done)),
+            })));
+        }
+        out.push(done_marker());
+        out
+    }
+
+    fn error(&mut self, e: ApiError) -> Vec<SseEvent> {
+        stream_error(e)
+    }
+}
+
+/// Text completion chunks: text deltas, the finish reason, the usage chunk when asked for.
+struct CompletionChunks {
+    id: String,
+    created: u64,
+    model: String,
+    include_usage: bool,
+    as_ids: bool,
+}
+
+impl CompletionChunks {
+    fn chunk(&self, text: &str, logprobs: Value, finish: Value) -> Value {
+        json!({
+            "id": self.id, "object": "text_completion", "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+        })
+    }
+}
+
+impl Encoder for CompletionChunks {
+    fn start(&mut self, _: &pb::GenerateStarted) -> Vec<SseEvent> {
+        Vec::new()
+    }
+
+    fn delta(&mut self, d: pb::TokenDelta) -> Vec<SseEvent> {
+        let lp = if d.logprobs.is_empty() {
+            Value::Null
+        } else {
+            completion_logprobs(&d.logprobs, self.as_ids)
+        };
+        vec![data(&self.chunk(&d.text, lp, Value::Null))]
+    }
+
+    fn done(&mut self, done: pb::GenerateDone) -> Vec<SseEvent> {
+        let reason = finish_reason(generation::finish(&done));
+        let mut last = self.chunk("", Value::Null, json!(reason));
+        generation::annotate(&mut last, &done);
+        let mut out = vec![data(&last)];
+        if self.include_usage {
+            out.push(data(&json!({
+                "id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model, "choices": [],
+                "usage": usage_json(&generation::usage(&done)),
+            })));
+        }
+        out.push(done_marker());
+        out
+    }
+
+    fn error(&mut self, e: ApiError) -> Vec<SseEvent> {
+        stream_error(e)
+    }
+}
+
+/// The Completions API's logprobs: tokens, their logprobs and the top alternatives.
+fn completion_logprobs(lps: &[pb::TokenLogprob], as_ids: bool) -> Value {
+    let name = |token: u32, text: &str| {
+        if as_ids {
+            format!("token_id:{token}")
+        } else {
+            text.to_string()
+        }
+    };
+    json!({
+        "tokens": lps.iter().map(|l| name(l.token, &l.text)).collect::<Vec<_>>(),
+        "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+        "top_logprobs": lps.iter().map(|l| l.top.iter()
+            .map(|t| (t.text.clone(), json!(t.logprob)))
+            .collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
+    })
 }
 
 #[utoipa::path(post, path = "/v1/completions", tag = "OpenAI",
@@ -618,73 +752,33 @@ pub async fn completions(
         return Err(ApiError::invalid("prompt must not be empty").param("prompt"));
     }
     let logprobs = req.logprobs.map(|n| n.min(5));
-    let mut worker_req = common.to_worker(
-        pb::Prompt { input: Some(input) },
-        logprobs,
-        tenant.as_deref(),
-    )?;
+    let mut params = common.params(pb::Prompt { input: Some(input) }, logprobs)?;
     // The Completions API's documented default is 16 tokens (Chat's is the whole context).
-    if worker_req.max_tokens == 0 {
-        worker_req.max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS;
-    }
-    let stream = generation::start(&state, &model, worker_req, FLAVOR).await?;
+    params.max_tokens = params.max_tokens.or(Some(COMPLETIONS_DEFAULT_MAX_TOKENS));
+    let stream = generation::start(&state, &model, params, tenant.as_deref(), FLAVOR).await?;
     let id = response_id("cmpl-");
     let created = unix_now();
     let model_name = common.model.clone();
     let as_ids = req.return_tokens_as_token_ids;
-    let completion_logprobs = move |lps: &[pb::TokenLogprob]| {
-        let name = |token: u32, text: &str| {
-            if as_ids {
-                format!("token_id:{token}")
-            } else {
-                text.to_string()
-            }
-        };
-        json!({
-            "tokens": lps.iter().map(|l| name(l.token, &l.text)).collect::<Vec<_>>(),
-            "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
-            "top_logprobs": lps.iter().map(|l| l.top.iter().map(|t| (t.text.clone(), json!(t.logprob))).collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
-        })
-    };
     if common.stream {
-        let include_usage = common.stream_options.is_some_and(|o| o.include_usage);
-        return Ok(sse(stream, move |part| match part {
-            Part::Start => Vec::new(),
-            Part::Delta(d) => {
-                let lp = if d.logprobs.is_empty() {
-                    Value::Null
-                } else {
-                    completion_logprobs(&d.logprobs)
-                };
-                vec![json!({
-                    "id": id, "object": "text_completion", "created": created, "model": model_name,
-                    "choices": [{"index": 0, "text": d.text, "logprobs": lp, "finish_reason": null}],
-                })]
-            }
-            Part::Done(done) => {
-                let mut last = json!({
-                    "id": id, "object": "text_completion", "created": created, "model": model_name,
-                    "choices": [{"index": 0, "text": "", "logprobs": null, "finish_reason": finish_reason(generation::finish(done))}],
-                });
-                generation::annotate(&mut last, done);
-                let mut out = vec![last];
-                if include_usage {
-                    out.push(json!({
-                        "id": id, "object": "text_completion", "created": created, "model": model_name,
-                        "choices": [], "usage": usage_json(&generation::usage(done)),
-                    }));
-                }
-                out
-            }
-        }));
+        return Ok(generation::stream(
+            stream,
+            CompletionChunks {
+                id,
+                created,
+                model: model_name,
+                include_usage: common.stream_options.is_some_and(|o| o.include_usage),
+                as_ids,
+            },
+        ));
     }
     let Collected {
         text,
         logprobs: lps,
         done,
-    } = generation::collect(stream, FLAVOR).await?;
+    } = generation::collect(stream).await?;
     let lp = if logprobs.is_some() {
-        completion_logprobs(&lps)
+        completion_logprobs(&lps, as_ids)
     } else {
         Value::Null
     };
@@ -697,74 +791,4 @@ pub async fn completions(
         "usage": usage_json(&generation::usage(&done)),
     });
     Ok(generation::respond(body, &done))
-}
-
-/// What a stream produces, for the endpoint to turn into its chunks.
-pub enum Part<'a> {
-    Start,
-    Delta(&'a pb::TokenDelta),
-    Done(&'a pb::GenerateDone),
-}
-
-/// An OpenAI SSE response: the endpoint's chunks as `data:` lines, an error as a final
-/// `data: {"error": …}`, then `data: [DONE]`. The worker stream is read by a task that stops
-/// (dropping it, which cancels the generation) as soon as the client is gone.
-pub fn sse(
-    mut stream: generation::GenerationStream,
-    mut chunks: impl FnMut(Part<'_>) -> Vec<Value> + Send + 'static,
-) -> Response {
-    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(32);
-    tokio::spawn(async move {
-        let send = |v: &Value| Ok(Event::default().data(v.to_string()));
-        for c in chunks(Part::Start) {
-            if tx.send(send(&c)).await.is_err() {
-                return;
-            }
-        }
-        loop {
-            let item = tokio::select! {
-                item = stream.message() => item,
-                // The client disconnected: stop reading; dropping the stream cancels the work.
-                _ = tx.closed() => return,
-            };
-            let chunks_out = match item {
-                Ok(Some(event)) => match event.event {
-                    Some(generate_event::Event::Delta(d)) => chunks(Part::Delta(&d)),
-                    Some(generate_event::Event::Started(_)) => Vec::new(),
-                    Some(generate_event::Event::Done(done)) => {
-                        for c in chunks(Part::Done(&done)) {
-                            if tx.send(send(&c)).await.is_err() {
-                                return;
-                            }
-                        }
-                        break;
-                    }
-                    None => Vec::new(),
-                },
-                Ok(None) => {
-                    let e = ApiError::new(
-                        super::error::ErrorKind::Overloaded,
-                        "the worker ended the generation without finishing it",
-                    );
-                    let _ = tx.send(send(&e.body())).await;
-                    break;
-                }
-                Err(status) => {
-                    let e = super::error::from_worker_status(&status);
-                    tracing::warn!(error = %e, "stream ended by an error");
-                    let _ = tx.send(send(&e.body())).await;
-                    break;
-                }
-            };
-            for c in chunks_out {
-                if tx.send(send(&c)).await.is_err() {
-                    return;
-                }
-            }
-        }
-        let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
-    });
-    Sse::new(ReceiverStream::new(rx))
-        .keep_alive(KeepAlive::default())
-        .into_response()
 }

@@ -1,23 +1,27 @@
 //! OpenAI's Responses API, `POST /v1/responses`, as far as the chat path goes: text or item
-//! input (messages, earlier function calls and their outputs), instructions, function tools
-//! with `tool_choice`, `text.format` (JSON object or schema), streaming with the semantic event
-//! sequence. Responses are not stored: `previous_response_id` is refused with a clear error,
-//! and clients resend the conversation, as chat clients do.
+//! input (messages, `developer` messages, earlier function calls and their outputs),
+//! instructions, function tools and `namespace` tools with `tool_choice`, `text.format` (JSON
+//! object or schema), streaming with the semantic event sequence. Hosted tools (`web_search`,
+//! `file_search`, …) and `reasoning` are declined with a notice, not a 400, so agents such as
+//! Codex run. Responses are not stored: `previous_response_id` is refused with a clear error,
+//! and clients resend the conversation (`store: false`), as Codex does.
 
-use std::convert::Infallible;
+use std::collections::HashMap;
 
 use axum::Extension;
 use axum::body::Body;
 use axum::extract::State;
-use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Value, json};
-use strata_proto::worker::{self as pb, generate_event};
-use tokio_stream::wrappers::ReceiverStream;
+use strata_proto::worker as pb;
 
-use super::error::{ApiError, ErrorKind, Flavor, from_worker_status};
-use super::generation::{self, Collected, SseEvent, read_json, response_id, unix_now};
+use super::error::{ApiError, Flavor};
+use super::generation::{
+    self, Collected, Encoder, Params, SseEvent, read_json, response_id, unix_now,
+};
 use super::openai::normalize_messages;
 use super::tools::{self, CallParser, Piece, ToolCall, ToolUse};
 use super::{AppState, TenantKey};
@@ -47,6 +51,10 @@ pub struct ResponsesRequest {
     speculative_decoding: Option<bool>,
     /// Extension, as on chat completions: SpecPrefill, `{"keep_ratio": 0.3}`.
     prompt_pruning: Option<generation::PromptPruning>,
+    /// `{"effort", "summary"}`: reasoning models only; declined with a notice.
+    reasoning: Option<Value>,
+    /// Whether to keep the response for `previous_response_id`: this server keeps none.
+    store: Option<bool>,
 }
 
 /// The request's input items as chat messages (OpenAI chat shape).
@@ -102,8 +110,12 @@ fn input_messages(instructions: Option<&str>, input: &Value) -> Result<Vec<Value
                 out.push(json!({"role": field("role")?, "content": content}));
             }
             Some("function_call") => {
+                let name = match item.get("namespace").and_then(Value::as_str) {
+                    Some(ns) => namespaced(ns, field("name")?),
+                    None => field("name")?.to_string(),
+                };
                 let call = json!({"id": field("call_id")?, "type": "function",
-                    "function": {"name": field("name")?, "arguments": field("arguments")?}});
+                    "function": {"name": name, "arguments": field("arguments")?}});
                 // Consecutive calls belong to one assistant turn.
                 match out.last_mut() {
                     Some(prev)
@@ -128,6 +140,9 @@ fn input_messages(instructions: Option<&str>, input: &Value) -> Result<Vec<Value
                     json!({"role": "tool", "tool_call_id": field("call_id")?, "content": output}),
                 );
             }
+            // Reasoning items carry a model's own encrypted reasoning; this server makes none,
+            // and the text the model needs is in the other items.
+            Some("reasoning") => {}
             Some(other) => {
                 return Err(ApiError::invalid(format!(
                     "{at}.type {other:?} is not supported (message, function_call, function_call_output)"
@@ -139,26 +154,63 @@ fn input_messages(instructions: Option<&str>, input: &Value) -> Result<Vec<Value
     Ok(out)
 }
 
-/// Responses' flat function tools as chat tools.
-fn chat_tools(tools: &[Value]) -> Result<Vec<Value>, ApiError> {
-    tools
-        .iter()
-        .enumerate()
-        .map(|(i, t)| match t.get("type").and_then(Value::as_str) {
-            Some("function") => {
-                let mut f = t.clone();
-                if let Some(m) = f.as_object_mut() {
-                    m.remove("type");
-                }
-                Ok(json!({"type": "function", "function": f}))
+/// The name the model sees for function `name` of namespace `ns`.
+fn namespaced(ns: &str, name: &str) -> String {
+    format!("{ns}__{name}")
+}
+
+/// The request's tools as chat function tools: flat function tools as they are, the functions
+/// of each `namespace` tool under `namespace__name` (`namespaces` maps them back). Hosted tools
+/// run on OpenAI's side: each is declined with a notice, not a 400.
+fn chat_tools(
+    tools: &[Value],
+    namespaces: &mut HashMap<String, (String, String)>,
+    notices: &mut Vec<pb::Notice>,
+) -> Vec<Value> {
+    let function = |t: &Value, name: Option<String>| {
+        let mut f = t.clone();
+        if let Some(m) = f.as_object_mut() {
+            m.remove("type");
+            // Fields of the Responses tool that chat's function has no place for.
+            for k in ["defer_loading", "allowed_callers", "async", "output_schema"] {
+                m.remove(k);
             }
-            other => Err(ApiError::invalid(format!(
-                "tools[{i}].type {:?} is not supported: this server runs function tools only",
-                other.unwrap_or("")
-            ))
-            .param(format!("tools[{i}].type"))),
-        })
-        .collect()
+            if let Some(name) = name {
+                m.insert("name".into(), Value::String(name));
+            }
+        }
+        json!({"type": "function", "function": f})
+    };
+    let mut out = Vec::new();
+    for t in tools {
+        match t.get("type").and_then(Value::as_str) {
+            Some("function") => out.push(function(t, None)),
+            Some("namespace") => {
+                let ns = t.get("name").and_then(Value::as_str).unwrap_or_default();
+                for inner in t.get("tools").and_then(Value::as_array).into_iter().flatten() {
+                    let name = inner.get("name").and_then(Value::as_str).unwrap_or_default();
+                    if inner.get("type").and_then(Value::as_str) != Some("function") {
+                        notices.push(pb::Notice {
+                            feature: "tools".into(),
+                            message: format!("tool {name:?} of namespace {ns:?} is not a function tool; it was not offered"),
+                        });
+                        continue;
+                    }
+                    let full = namespaced(ns, name);
+                    namespaces.insert(full.clone(), (ns.to_string(), name.to_string()));
+                    out.push(function(inner, Some(full)));
+                }
+            }
+            other => notices.push(pb::Notice {
+                feature: "hosted_tools".into(),
+                message: format!(
+                    "the hosted tool {:?} runs on OpenAI's side; it was not offered to this model",
+                    other.unwrap_or("")
+                ),
+            }),
+        }
+    }
+    out
 }
 
 /// `tool_choice` in chat's shape (Responses names a function without the `function` level).
@@ -194,13 +246,14 @@ pub async fn create(
     if req.model.is_empty() {
         return Err(ApiError::invalid("model must not be empty").param("model"));
     }
-    if req.max_output_tokens == Some(0) {
-        return Err(
-            ApiError::invalid("max_output_tokens must be at least 1").param("max_output_tokens")
-        );
-    }
     let model = state.registry.resolve(&req.model)?;
-    let chat_tools = chat_tools(req.tools.as_deref().unwrap_or_default())?;
+    let mut notices = Vec::new();
+    let mut namespaces = HashMap::new();
+    let chat_tools = chat_tools(
+        req.tools.as_deref().unwrap_or_default(),
+        &mut namespaces,
+        &mut notices,
+    );
     let tool_use = ToolUse::openai(
         Some(chat_tools.as_slice()),
         chat_tool_choice(req.tool_choice.as_ref()).as_ref(),
@@ -223,32 +276,45 @@ pub async fn create(
         normalize_messages(messages, model.kind == crate::config::ModelKind::Vlm)?;
     tools::openai_history(&mut messages)?;
     let images = super::images::load(sources, &state.images, FLAVOR).await?;
-    let worker_req = pb::GenerateRequest {
-        request_id: String::new(),
-        prompt: Some(pb::Prompt {
-            input: Some(pb::prompt::Input::Chat(pb::Chat {
-                messages_json: Value::Array(messages).to_string(),
-                tools_json: tool_use
-                    .as_ref()
-                    .and_then(ToolUse::template_tools)
-                    .map(|t| t.to_string())
-                    .unwrap_or_default(),
-                add_generation_prompt: true,
-                images,
-            })),
-        }),
-        max_tokens: req.max_output_tokens.unwrap_or(0),
-        sampling: Some(generation::sampling(req.temperature, req.top_p, None)),
-        stop: Vec::new(),
-        stop_token_ids: Vec::new(),
-        ignore_eos: false,
-        cache_salt: super::cache_salt(tenant.as_deref(), req.cache_salt.as_deref()),
-        prefill_breaks: Vec::new(),
-        constraint,
-        speculative: req.speculative_decoding,
-        prune_keep_ratio: generation::keep_ratio(req.prompt_pruning.as_ref())?,
+    let prompt = pb::Prompt {
+        input: Some(pb::prompt::Input::Chat(pb::Chat {
+            messages_json: Value::Array(messages).to_string(),
+            tools_json: tool_use
+                .as_ref()
+                .and_then(ToolUse::template_tools)
+                .map(|t| t.to_string())
+                .unwrap_or_default(),
+            add_generation_prompt: true,
+            images,
+        })),
     };
-    let stream = generation::start(&state, &model, worker_req, FLAVOR).await?;
+    let mut params = Params::new(
+        prompt,
+        generation::sampling(req.temperature, req.top_p, None),
+    );
+    params.notices = notices;
+    params.max_tokens = req.max_output_tokens;
+    params.max_tokens_param = "max_output_tokens";
+    params.cache_salt = req.cache_salt.clone();
+    params.constraint = constraint;
+    params.speculative = req.speculative_decoding;
+    params.prompt_pruning = req.prompt_pruning;
+    if let Some(r) = req.reasoning.as_ref().filter(|r| {
+        r.get("effort").and_then(Value::as_str) != Some("none")
+            && r.as_object().is_some_and(|o| o.values().any(|v| !v.is_null()))
+    }) {
+        params.not_applied(
+            "reasoning",
+            format!("reasoning {r} asked for: this model has no reasoning mode, so the response has no reasoning items"),
+        );
+    }
+    if req.store == Some(true) {
+        params.not_applied(
+            "store",
+            "store: true asked for: this server keeps no responses; send the whole conversation each turn",
+        );
+    }
+    let stream = generation::start(&state, &model, params, tenant.as_deref(), FLAVOR).await?;
     let shell = Shell {
         id: response_id("resp_"),
         created_at: unix_now(),
@@ -262,24 +328,57 @@ pub async fn create(
             "tool_choice": req.tool_choice.unwrap_or(json!("auto")),
             "parallel_tool_calls": req.parallel_tool_calls.unwrap_or(true),
             "text": req.text.unwrap_or(json!({"format": {"type": "text"}})),
+            "reasoning": req.reasoning.unwrap_or(Value::Null),
         }),
+        namespaces,
     };
     if req.stream {
-        return Ok(stream_events(stream, shell, parser));
+        return Ok(generation::stream(
+            stream,
+            ResponseEvents {
+                shell,
+                parser,
+                seq: 0,
+                items: Vec::new(),
+                open: None,
+            },
+        ));
     }
-    let Collected { text, done, .. } = generation::collect(stream, FLAVOR).await?;
+    let Collected { text, done, .. } = generation::collect(stream).await?;
     let pieces = match parser {
         Some(p) => p.pieces(&text),
         None => vec![Piece::Text(text)],
     };
     let mut output = Output::default();
     for piece in pieces {
-        output.add(piece);
+        output.add(piece, &shell.namespaces);
     }
     Ok(generation::respond(
         shell.response(&output.items, Some(&done)),
         &done,
     ))
+}
+
+/// `GET /v1/responses` with `Upgrade: websocket`: Codex tries the Responses WebSocket
+/// transport first. This server speaks it over HTTP only: 426 without an upgrade tells the
+/// client at once (it then posts over HTTP), instead of a 404 or 405 it would retry.
+pub async fn websocket(headers: HeaderMap) -> Response {
+    let upgrade = headers
+        .get(header::UPGRADE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.eq_ignore_ascii_case("websocket"));
+    let message = if upgrade {
+        "the Responses API is served over HTTP only here: POST /v1/responses (no WebSocket transport)"
+    } else {
+        "GET /v1/responses is not served: responses are not stored; POST /v1/responses to create one"
+    };
+    let status = if upgrade {
+        StatusCode::UPGRADE_REQUIRED
+    } else {
+        StatusCode::NOT_FOUND
+    };
+    let body = ApiError::invalid(message).flavor(FLAVOR).body();
+    (status, axum::Json(body)).into_response()
 }
 
 /// What every response object repeats: its id, the model and the request's settings.
@@ -288,6 +387,8 @@ struct Shell {
     created_at: u64,
     model: String,
     echo: Value,
+    /// The model's names of namespaced functions -> (namespace, name).
+    namespaces: HashMap<String, (String, String)>,
 }
 
 impl Shell {
@@ -348,13 +449,24 @@ impl Output {
                "content": [{"type": "output_text", "text": text, "annotations": []}]})
     }
 
-    fn call(call: &ToolCall, status: &str) -> Value {
-        json!({"type": "function_call", "id": tools::call_id("fc_"),
+    /// A call as a `function_call` item; a namespaced function's call names its namespace
+    /// apart, as the Responses API returns them.
+    fn call(
+        call: &ToolCall,
+        status: &str,
+        namespaces: &HashMap<String, (String, String)>,
+    ) -> Value {
+        let mut item = json!({"type": "function_call", "id": tools::call_id("fc_"),
                "call_id": tools::call_id("call_"), "name": call.name,
-               "arguments": call.arguments, "status": status})
+               "arguments": call.arguments, "status": status});
+        if let Some((ns, name)) = namespaces.get(&call.name) {
+            item["name"] = json!(name);
+            item["namespace"] = json!(ns);
+        }
+        item
     }
 
-    fn add(&mut self, piece: Piece) {
+    fn add(&mut self, piece: Piece, namespaces: &HashMap<String, (String, String)>) {
         match piece {
             Piece::Text(t) => {
                 if self.text_open
@@ -372,7 +484,7 @@ impl Output {
                 self.text_open = true;
             }
             Piece::Call(c) => {
-                self.items.push(Self::call(&c, "completed"));
+                self.items.push(Self::call(&c, "completed", namespaces));
                 self.text_open = false;
             }
         }
@@ -384,149 +496,139 @@ impl Output {
 /// content_part.done, output_item.done; per function call output_item.added,
 /// function_call_arguments.delta and .done, output_item.done; then response.completed (or
 /// response.incomplete when cut by max_output_tokens). An error ends it with an `error` event.
-fn stream_events(
-    mut stream: generation::GenerationStream,
+struct ResponseEvents {
     shell: Shell,
-    mut parser: Option<CallParser>,
-) -> Response {
-    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(32);
-    tokio::spawn(async move {
-        let mut seq = 0u64;
-        let mut event = |kind: &str, mut data: Value| {
-            data["type"] = json!(kind);
-            data["sequence_number"] = json!(seq);
-            seq += 1;
-            Ok::<_, Infallible>(Event::default().event(kind).data(data.to_string()))
-        };
-        let created = shell.response(&[], None);
-        let start = vec![
-            event("response.created", json!({"response": created})),
-            event("response.in_progress", json!({"response": created})),
-        ];
-        if generation::send_all(&tx, start).await.is_err() {
-            return;
-        }
-        let mut items: Vec<Value> = Vec::new();
-        // The message item being written: its id and text.
-        let mut open: Option<(String, String)> = None;
-        loop {
-            let item = tokio::select! {
-                item = stream.message() => item,
-                _ = tx.closed() => return,
-            };
-            let mut out = Vec::new();
-            let (pieces, done) = match item {
-                Ok(Some(ev)) => match ev.event {
-                    Some(generate_event::Event::Delta(d)) if !d.text.is_empty() => (
-                        match parser.as_mut() {
-                            Some(p) => p.push(&d.text),
-                            None => vec![Piece::Text(d.text)],
-                        },
-                        None,
-                    ),
-                    Some(generate_event::Event::Done(done)) => (
-                        parser.as_mut().map(CallParser::finish).unwrap_or_default(),
-                        Some(done),
-                    ),
-                    _ => continue,
-                },
-                Ok(None) => {
-                    let e = ApiError::new(
-                        ErrorKind::Overloaded,
-                        "the worker ended the generation without finishing it",
-                    );
-                    let _ = tx.send(event("error", e.body()["error"].clone())).await;
-                    return;
-                }
-                Err(status) => {
-                    let e = from_worker_status(&status);
-                    tracing::warn!(error = %e, "stream ended by an error");
-                    let _ = tx.send(event("error", e.body()["error"].clone())).await;
-                    return;
-                }
-            };
-            for piece in pieces {
-                match piece {
-                    Piece::Text(t) => {
-                        let index = items.len();
-                        let (id, text) = open.get_or_insert_with(|| {
-                            let id = response_id("msg_");
-                            out.push(event("response.output_item.added", json!({"output_index": index,
-                                "item": {"type": "message", "id": id, "status": "in_progress", "role": "assistant", "content": []}})));
-                            out.push(event("response.content_part.added", json!({"item_id": id, "output_index": index, "content_index": 0,
-                                "part": {"type": "output_text", "text": "", "annotations": []}})));
-                            (id, String::new())
-                        });
-                        text.push_str(&t);
-                        out.push(event("response.output_text.delta", json!({"item_id": id, "output_index": index, "content_index": 0, "delta": t})));
-                    }
-                    Piece::Call(c) => {
-                        close_message(&mut open, &mut items, &mut out, &mut event);
-                        let index = items.len();
-                        let item = Output::call(&c, "completed");
-                        let mut added = item.clone();
-                        added["arguments"] = json!("");
-                        added["status"] = json!("in_progress");
-                        out.push(event(
-                            "response.output_item.added",
-                            json!({"output_index": index, "item": added}),
-                        ));
-                        out.push(event("response.function_call_arguments.delta", json!({"item_id": item["id"].clone(), "output_index": index, "delta": c.arguments})));
-                        out.push(event("response.function_call_arguments.done", json!({"item_id": item["id"].clone(), "output_index": index, "arguments": c.arguments})));
-                        out.push(event(
-                            "response.output_item.done",
-                            json!({"output_index": index, "item": item}),
-                        ));
-                        items.push(item);
-                    }
-                }
-            }
-            if let Some(done) = done {
-                close_message(&mut open, &mut items, &mut out, &mut event);
-                let response = shell.response(&items, Some(&done));
-                let kind = if response["status"] == "incomplete" {
-                    "response.incomplete"
-                } else {
-                    "response.completed"
-                };
-                out.push(event(kind, json!({"response": response})));
-                let _ = generation::send_all(&tx, out).await;
-                return;
-            }
-            if generation::send_all(&tx, out).await.is_err() {
-                return;
-            }
-        }
-    });
-    Sse::new(ReceiverStream::new(rx))
-        .keep_alive(KeepAlive::default())
-        .into_response()
+    parser: Option<CallParser>,
+    seq: u64,
+    items: Vec<Value>,
+    /// The message item being written: its id and text.
+    open: Option<(String, String)>,
 }
 
-/// Ends the message item being written, if any: its text, part and item done events.
-fn close_message(
-    open: &mut Option<(String, String)>,
-    items: &mut Vec<Value>,
-    out: &mut Vec<SseEvent>,
-    event: &mut dyn FnMut(&str, Value) -> SseEvent,
-) {
-    let Some((id, text)) = open.take() else {
-        return;
-    };
-    let index = items.len();
-    let part = json!({"type": "output_text", "text": text, "annotations": []});
-    out.push(event(
-        "response.output_text.done",
-        json!({"item_id": id, "output_index": index, "content_index": 0, "text": text}),
-    ));
-    out.push(event(
-        "response.content_part.done",
-        json!({"item_id": id, "output_index": index, "content_index": 0, "part": part}),
-    ));
-    let item = Output::message(&id, &text, "completed");
-    out.push(event(
-        "response.output_item.done",
-        json!({"output_index": index, "item": item}),
-    ));
-    items.push(item);
+impl ResponseEvents {
+    fn event(&mut self, kind: &str, mut data: Value) -> SseEvent {
+        data["type"] = json!(kind);
+        data["sequence_number"] = json!(self.seq);
+        self.seq += 1;
+        Ok(Event::default().event(kind).data(data.to_string()))
+    }
+
+    fn pieces(&mut self, pieces: Vec<Piece>) -> Vec<SseEvent> {
+        let mut out = Vec::new();
+        for piece in pieces {
+            match piece {
+                Piece::Text(t) => {
+                    let index = self.items.len();
+                    if self.open.is_none() {
+                        let id = response_id("msg_");
+                        let added = self.event("response.output_item.added", json!({"output_index": index,
+                            "item": {"type": "message", "id": id, "status": "in_progress", "role": "assistant", "content": []}}));
+                        let part = self.event("response.content_part.added", json!({"item_id": id, "output_index": index, "content_index": 0,
+                            "part": {"type": "output_text", "text": "", "annotations": []}}));
+                        out.extend([added, part]);
+                        self.open = Some((id, String::new()));
+                    }
+                    let id = match self.open.as_mut() {
+                        Some((id, text)) => {
+                            text.push_str(&t);
+                            id.clone()
+                        }
+                        None => continue,
+                    };
+                    out.push(self.event("response.output_text.delta", json!({"item_id": id, "output_index": index, "content_index": 0, "delta": t})));
+                }
+                Piece::Call(c) => {
+                    out.extend(self.close_message());
+                    let index = self.items.len();
+                    let item = Output::call(&c, "completed", &self.shell.namespaces);
+                    let mut added = item.clone();
+                    added["arguments"] = json!("");
+                    added["status"] = json!("in_progress");
+                    let id = item["id"].clone();
+                    out.push(self.event(
+                        "response.output_item.added",
+                        json!({"output_index": index, "item": added}),
+                    ));
+                    out.push(self.event("response.function_call_arguments.delta", json!({"item_id": id, "output_index": index, "delta": c.arguments})));
+                    out.push(self.event("response.function_call_arguments.done", json!({"item_id": id, "output_index": index, "arguments": c.arguments})));
+                    out.push(self.event(
+                        "response.output_item.done",
+                        json!({"output_index": index, "item": item}),
+                    ));
+                    self.items.push(item);
+                }
+            }
+        }
+        out
+    }
+
+    /// Ends the message item being written, if any: its text, part and item done events.
+    fn close_message(&mut self) -> Vec<SseEvent> {
+        let Some((id, text)) = self.open.take() else {
+            return Vec::new();
+        };
+        let index = self.items.len();
+        let part = json!({"type": "output_text", "text": text, "annotations": []});
+        let item = Output::message(&id, &text, "completed");
+        let out = vec![
+            self.event(
+                "response.output_text.done",
+                json!({"item_id": id, "output_index": index, "content_index": 0, "text": text}),
+            ),
+            self.event(
+                "response.content_part.done",
+                json!({"item_id": id, "output_index": index, "content_index": 0, "part": part}),
+            ),
+            self.event(
+                "response.output_item.done",
+                json!({"output_index": index, "item": item}),
+            ),
+        ];
+        self.items.push(item);
+        out
+    }
+}
+
+impl Encoder for ResponseEvents {
+    fn start(&mut self, _: &pb::GenerateStarted) -> Vec<SseEvent> {
+        let created = self.shell.response(&[], None);
+        vec![
+            self.event("response.created", json!({"response": created})),
+            self.event("response.in_progress", json!({"response": created})),
+        ]
+    }
+
+    fn delta(&mut self, d: pb::TokenDelta) -> Vec<SseEvent> {
+        if d.text.is_empty() {
+            return Vec::new();
+        }
+        let pieces = match self.parser.as_mut() {
+            Some(p) => p.push(&d.text),
+            None => vec![Piece::Text(d.text)],
+        };
+        self.pieces(pieces)
+    }
+
+    fn done(&mut self, done: pb::GenerateDone) -> Vec<SseEvent> {
+        let rest = self
+            .parser
+            .as_mut()
+            .map(CallParser::finish)
+            .unwrap_or_default();
+        let mut out = self.pieces(rest);
+        out.extend(self.close_message());
+        let response = self.shell.response(&self.items, Some(&done));
+        let kind = if response["status"] == "incomplete" {
+            "response.incomplete"
+        } else {
+            "response.completed"
+        };
+        out.push(self.event(kind, json!({"response": response})));
+        out
+    }
+
+    fn error(&mut self, e: ApiError) -> Vec<SseEvent> {
+        let body = e.flavor(FLAVOR).body()["error"].clone();
+        vec![self.event("error", body)]
+    }
 }

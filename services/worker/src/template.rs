@@ -119,6 +119,56 @@ impl ChatTemplate {
     }
 }
 
+/// For a template that cannot render a system message after the first message (many check
+/// that roles alternate user/assistant): each such message's text joined to the start of the
+/// next user message (or, with none after it, the end of the last user message before it).
+/// Returns the messages and the positions moved, for the response's notice. Moving the text
+/// changes nothing before it, so the prefix cache still serves what precedes it.
+pub fn fold_late_system_messages(messages: &[ChatMessage]) -> (Vec<ChatMessage>, Vec<usize>) {
+    let mut out: Vec<ChatMessage> = Vec::with_capacity(messages.len());
+    let mut moved = Vec::new();
+    // Text of late system messages waiting for the next user message.
+    let mut pending: Vec<String> = Vec::new();
+    for (i, m) in messages.iter().enumerate() {
+        if m.role == "system" && i > 0 {
+            moved.push(i);
+            pending.push(text_of(&m.content));
+            continue;
+        }
+        let mut m = m.clone();
+        if m.role == "user" && !pending.is_empty() {
+            let head = pending.join("\n\n");
+            pending.clear();
+            m.content = serde_json::Value::String(format!("{head}\n\n{}", text_of(&m.content)));
+        }
+        out.push(m);
+    }
+    if !pending.is_empty() {
+        let tail = pending.join("\n\n");
+        match out.iter_mut().rev().find(|m| m.role == "user") {
+            Some(m) => {
+                m.content =
+                    serde_json::Value::String(format!("{}\n\n{tail}", text_of(&m.content)));
+            }
+            None => out.push(ChatMessage::text("user", &tail)),
+        }
+    }
+    (out, moved)
+}
+
+/// A message content's text: a string, or the text parts of a list.
+fn text_of(content: &serde_json::Value) -> String {
+    match content {
+        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::Array(parts) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(serde_json::Value::as_str))
+            .collect::<Vec<_>>()
+            .join(""),
+        _ => String::new(),
+    }
+}
+
 /// For a template that knows nothing of tools: the conversation with the tools written into
 /// the system message and past calls and results written as text, in the Hermes format
 /// (`<tools>`, `<tool_call>`, `<tool_response>`) that Qwen and many open models are trained
@@ -312,6 +362,24 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn late_system_messages_join_the_next_user_message() {
+        use super::{ChatMessage, fold_late_system_messages};
+        let m = |r: &str, c: &str| ChatMessage::text(r, c);
+        let (out, moved) = fold_late_system_messages(&[
+            m("system", "rules"),
+            m("user", "hi"),
+            m("system", "env"),
+            m("user", "next"),
+            m("assistant", "ok"),
+            m("system", "late"),
+        ]);
+        assert_eq!(moved, vec![2, 5]);
+        let roles: Vec<&str> = out.iter().map(|m| m.role.as_str()).collect();
+        assert_eq!(roles, ["system", "user", "user", "assistant"]);
+        assert_eq!(out[2].content, "env\n\nnext\n\nlate");
+    }
+
     use super::*;
 
     #[test]

@@ -167,11 +167,37 @@ impl Serving {
                     } else {
                         (messages, tools)
                     };
-                let text = self
-                    .template
-                    .render(&messages, chat.add_generation_prompt, tools.as_ref())
+                let mut notices = Vec::new();
+                let text = match self.template.render(
+                    &messages,
+                    chat.add_generation_prompt,
+                    tools.as_ref(),
+                ) {
+                    Ok(text) => text,
+                    // A system message in place (agents put one after the first user turn)
+                    // that this template refuses: its text joins the next user message.
+                    Err(first)
+                        if messages.iter().skip(1).any(|m| m.role == "system") =>
+                    {
+                        let (folded, moved) =
+                            crate::template::fold_late_system_messages(&messages);
+                        let text = self
+                            .template
+                            .render(&folded, chat.add_generation_prompt, tools.as_ref())
+                            .map_err(|_| Status::invalid_argument(first.to_string()))?;
+                        let at: Vec<String> = moved.iter().map(|i| i.to_string()).collect();
+                        notices.push(pb::Notice {
+                            feature: "system_messages".into(),
+                            message: format!(
+                                "this model's chat template cannot render a system message after the first message ({first}); the text of the system message(s) at position {} was put at the start of the next user message",
+                                at.join(", ")
+                            ),
+                        });
+                        text
+                    }
                     // The template rejected the conversation (e.g. a role it does not know).
-                    .map_err(|e| Status::invalid_argument(e.to_string()))?;
+                    Err(e) => return Err(Status::invalid_argument(e.to_string())),
+                };
                 let ids = self.tokenizer.encode(&text).map_err(internal)?;
                 let Some(input) = &self.images else {
                     if !chat.images.is_empty() {
@@ -180,7 +206,10 @@ impl Serving {
                             self.model_id
                         )));
                     }
-                    return Ok(Tokenized::text(text, ids));
+                    return Ok(Tokenized {
+                        notices,
+                        ..Tokenized::text(text, ids)
+                    });
                 };
                 let images = chat
                     .images
@@ -199,7 +228,12 @@ impl Serving {
                 let ids = input
                     .expand(&ids, images.len())
                     .map_err(|e| Status::invalid_argument(engine_message(e)))?;
-                Ok(Tokenized { text, ids, images })
+                Ok(Tokenized {
+                    text,
+                    ids,
+                    images,
+                    notices,
+                })
             }
         }
     }
@@ -265,6 +299,8 @@ pub struct Tokenized {
     pub text: String,
     pub ids: Vec<u32>,
     pub images: Vec<PromptImage>,
+    /// What rendering changed in the conversation, for the response.
+    pub notices: Vec<pb::Notice>,
 }
 
 impl Tokenized {
@@ -273,6 +309,7 @@ impl Tokenized {
             text,
             ids,
             images: Vec::new(),
+            notices: Vec::new(),
         }
     }
 }
@@ -402,14 +439,19 @@ impl Worker for WorkerService {
         .await
         .map_err(internal)??;
         let key_tokens = serving.cache_tokens(&tokenized)?;
-        let Tokenized { ids, images, .. } = tokenized;
+        let Tokenized {
+            ids,
+            images,
+            notices: render_notices,
+            ..
+        } = tokenized;
         let prompt_tokens = ids.len();
         span.record("prompt_tokens", prompt_tokens);
-        // 0 asks for as many tokens as the context leaves room for.
-        let max_tokens = match req.max_tokens {
-            0 => serving.context_length.saturating_sub(prompt_tokens),
-            n => n as usize,
-        };
+        let (max_tokens, clamp_notice) =
+            output_budget(serving.context_length, prompt_tokens, req.max_tokens)?;
+        if let Some(n) = &clamp_notice {
+            tracing::info!(request_id, feature = %n.feature, "not applied: {}", n.message);
+        }
         let grammar = match req.constraint.and_then(|c| c.kind) {
             None => None,
             Some(kind) => Some(serving.compile_constraint(kind).await?),
@@ -485,6 +527,8 @@ impl Worker for WorkerService {
         let started = GenerateEvent {
             event: Some(generate_event::Event::Started(pb::GenerateStarted {
                 prompt_tokens: prompt_tokens as u32,
+                notices: render_notices.into_iter().chain(clamp_notice).collect(),
+                max_tokens: max_tokens as u32,
             })),
         };
         // The channel is empty: this cannot fail for lack of room.
@@ -764,6 +808,40 @@ fn tier_tokens(
     }
 }
 
+/// The tokens a generation may produce: `requested` (0: as many as the context leaves), cut
+/// to what the context leaves after the prompt. Agents ask for far more than a local model's
+/// context holds (Claude Code sends 32000 for any model it does not know), so a larger value
+/// is clamped and reported, and the answer ends with the length finish reason at the cut. A
+/// prompt that leaves no room at all is refused, in Anthropic's own wording, which agents look
+/// for to compact their history.
+fn output_budget(
+    context: usize,
+    prompt_tokens: usize,
+    requested: u32,
+) -> Result<(usize, Option<pb::Notice>), Status> {
+    let room = context.saturating_sub(prompt_tokens);
+    if room == 0 {
+        return Err(Status::out_of_range(format!(
+            "prompt is too long: {prompt_tokens} tokens > {} maximum (the model's context of {context} tokens must also hold the answer)",
+            context.saturating_sub(1)
+        )));
+    }
+    let requested = requested as usize;
+    if requested == 0 {
+        return Ok((room, None));
+    }
+    if requested <= room {
+        return Ok((requested, None));
+    }
+    let notice = pb::Notice {
+        feature: "max_tokens".into(),
+        message: format!(
+            "max_tokens {requested} clamped to {room}: the prompt ({prompt_tokens} tokens) leaves {room} of the model's context of {context} tokens"
+        ),
+    };
+    Ok((room, Some(notice)))
+}
+
 /// The engine's own request checks, done here so that a bad request never waits in the queue.
 fn validate(serving: &Serving, req: &GenerateRequest) -> Result<(), Status> {
     let context = serving.context_length;
@@ -784,4 +862,29 @@ fn validate(serving: &Serving, req: &GenerateRequest) -> Result<(), Status> {
         crate::engine::spec_prefill::validate_ratio(ratio).map_err(Status::invalid_argument)?;
     }
     req.sampling.validate().map_err(Status::invalid_argument)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::output_budget;
+
+    #[test]
+    fn an_output_budget_past_the_context_is_clamped_and_a_full_prompt_is_refused() {
+        assert_eq!(output_budget(100, 40, 10).map(|r| r.0).ok(), Some(10));
+        assert_eq!(output_budget(100, 40, 0).map(|r| r.0).ok(), Some(60));
+        let (n, notice) = output_budget(100, 40, 32000).unwrap_or_default();
+        assert_eq!(n, 60);
+        let notice = notice.unwrap_or_default();
+        assert_eq!(notice.feature, "max_tokens");
+        assert!(notice.message.contains("32000 clamped to 60"), "{}", notice.message);
+        let refused = output_budget(100, 100, 5)
+            .err()
+            .map(|s| s.message().to_string());
+        assert!(
+            refused
+                .as_deref()
+                .is_some_and(|m| m.starts_with("prompt is too long: 100 tokens > 99 maximum")),
+            "{refused:?}"
+        );
+    }
 }
