@@ -123,6 +123,10 @@ pub struct ModelConfig {
     /// `strata_warnings` [default: what the context leaves after the prompt].
     #[serde(default)]
     pub max_output_tokens: Option<u32>,
+    /// Tokens of context to serve instead of the model's own (prompt plus answer); more than
+    /// the model was trained on runs, with a warning in the log [default: the model's].
+    #[serde(default)]
+    pub context_length: Option<u32>,
     /// Never unloaded to make room for another model.
     #[serde(default)]
     pub pinned: bool,
@@ -165,6 +169,7 @@ impl ModelConfig {
             kind,
             aliases: Vec::new(),
             max_output_tokens: None,
+            context_length: None,
             pinned: false,
             memory_budget: None,
             store_decode_kv: false,

@@ -644,6 +644,11 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
                     .iter()
                     .flat_map(|n| ["--kv-cache-bits".to_string(), n.to_string()]),
             )
+            .chain(
+                m.context_length
+                    .iter()
+                    .flat_map(|n| ["--context-length".to_string(), n.to_string()]),
+            )
             .collect(),
             socket,
             envs: child_envs.clone(),

@@ -412,7 +412,10 @@ fn server_tools_declined(tools: Option<&[Value]>, notices: &mut Vec<pb::Notice>)
 
 /// `output_config.format` (structured outputs) as a constraint on the answer.
 fn output_format(config: Option<&Value>) -> Result<Option<pb::Constraint>, ApiError> {
-    let Some(format) = config.and_then(|c| c.get("format")).filter(|f| !f.is_null()) else {
+    let Some(format) = config
+        .and_then(|c| c.get("format"))
+        .filter(|f| !f.is_null())
+    else {
         return Ok(None);
     };
     match format.get("type").and_then(Value::as_str) {
@@ -420,7 +423,8 @@ fn output_format(config: Option<&Value>) -> Result<Option<pb::Constraint>, ApiEr
             let schema = format
                 .get("schema")
                 .ok_or_else(|| invalid("output_config.format.schema: field required"))?;
-            let chat_shape = json!({"type": "json_schema", "json_schema": {"name": "output", "schema": schema}});
+            let chat_shape =
+                json!({"type": "json_schema", "json_schema": {"name": "output", "schema": schema}});
             tools::response_format(Some(&chat_shape)).map_err(|e| e.flavor(FLAVOR))
         }
         other => Err(invalid(format!(

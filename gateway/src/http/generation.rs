@@ -18,8 +18,8 @@ use tonic::Streaming;
 use axum::response::Response;
 
 use super::error::{ApiError, ErrorKind, Flavor, from_worker_status};
-use super::{AppState, TenantKey};
 use super::metrics::GenerationMeter;
+use super::{AppState, TenantKey};
 use crate::workers::{InFlight, ModelEntry};
 
 /// Reads a JSON body: 413 past `limit` bytes, 400 when it is not JSON.
@@ -189,10 +189,10 @@ impl Params {
             (None, None) => 0,
         };
         if self.stop.len() > MAX_STOP_SEQUENCES {
-            return Err(ApiError::invalid(format!(
-                "at most {MAX_STOP_SEQUENCES} stop sequences"
-            ))
-            .param("stop"));
+            return Err(
+                ApiError::invalid(format!("at most {MAX_STOP_SEQUENCES} stop sequences"))
+                    .param("stop"),
+            );
         }
         if self.stop.iter().any(|s| s.len() > MAX_STOP_BYTES) {
             return Err(ApiError::invalid(format!(

@@ -11,8 +11,8 @@ use strata_proto::worker as pb;
 
 use super::error::{ApiError, Flavor};
 use super::generation::{
-    self, Collected, Encoder, Params, PromptPruning, SseEvent, from_value, read_value,
-    response_id, unix_now,
+    self, Collected, Encoder, Params, PromptPruning, SseEvent, from_value, read_value, response_id,
+    unix_now,
 };
 use super::images::{self, ImageSource};
 use super::tools::{self, CallParser, Piece, ToolUse};

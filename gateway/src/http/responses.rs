@@ -187,8 +187,16 @@ fn chat_tools(
             Some("function") => out.push(function(t, None)),
             Some("namespace") => {
                 let ns = t.get("name").and_then(Value::as_str).unwrap_or_default();
-                for inner in t.get("tools").and_then(Value::as_array).into_iter().flatten() {
-                    let name = inner.get("name").and_then(Value::as_str).unwrap_or_default();
+                for inner in t
+                    .get("tools")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                {
+                    let name = inner
+                        .get("name")
+                        .and_then(Value::as_str)
+                        .unwrap_or_default();
                     if inner.get("type").and_then(Value::as_str) != Some("function") {
                         notices.push(pb::Notice {
                             feature: "tools".into(),
@@ -301,7 +309,8 @@ pub async fn create(
     params.prompt_pruning = req.prompt_pruning;
     if let Some(r) = req.reasoning.as_ref().filter(|r| {
         r.get("effort").and_then(Value::as_str) != Some("none")
-            && r.as_object().is_some_and(|o| o.values().any(|v| !v.is_null()))
+            && r.as_object()
+                .is_some_and(|o| o.values().any(|v| !v.is_null()))
     }) {
         params.not_applied(
             "reasoning",
@@ -523,8 +532,11 @@ impl ResponseEvents {
                         let id = response_id("msg_");
                         let added = self.event("response.output_item.added", json!({"output_index": index,
                             "item": {"type": "message", "id": id, "status": "in_progress", "role": "assistant", "content": []}}));
-                        let part = self.event("response.content_part.added", json!({"item_id": id, "output_index": index, "content_index": 0,
-                            "part": {"type": "output_text", "text": "", "annotations": []}}));
+                        let part = self.event(
+                            "response.content_part.added",
+                            json!({"item_id": id, "output_index": index, "content_index": 0,
+                            "part": {"type": "output_text", "text": "", "annotations": []}}),
+                        );
                         out.extend([added, part]);
                         self.open = Some((id, String::new()));
                     }
@@ -549,8 +561,14 @@ impl ResponseEvents {
                         "response.output_item.added",
                         json!({"output_index": index, "item": added}),
                     ));
-                    out.push(self.event("response.function_call_arguments.delta", json!({"item_id": id, "output_index": index, "delta": c.arguments})));
-                    out.push(self.event("response.function_call_arguments.done", json!({"item_id": id, "output_index": index, "arguments": c.arguments})));
+                    out.push(self.event(
+                        "response.function_call_arguments.delta",
+                        json!({"item_id": id, "output_index": index, "delta": c.arguments}),
+                    ));
+                    out.push(self.event(
+                        "response.function_call_arguments.done",
+                        json!({"item_id": id, "output_index": index, "arguments": c.arguments}),
+                    ));
                     out.push(self.event(
                         "response.output_item.done",
                         json!({"output_index": index, "item": item}),

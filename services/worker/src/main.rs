@@ -82,6 +82,11 @@ enum Command {
         /// namespace.
         #[arg(long)]
         kv_cache_bits: Option<u32>,
+        /// Tokens of context to serve instead of the model's own (prompt plus answer): less
+        /// bounds memory, more runs past what the model was trained on (RoPE extrapolates,
+        /// the answers may degrade; the log says so).
+        #[arg(long)]
+        context_length: Option<usize>,
         #[command(flatten)]
         draft: DraftArgs,
     },
@@ -381,6 +386,7 @@ fn main() -> anyhow::Result<()> {
             memory_budget,
             store_decode_kv,
             kv_cache_bits,
+            context_length,
             draft,
         } => {
             let runtime = tokio::runtime::Runtime::new().context("start the tokio runtime")?;
@@ -417,7 +423,19 @@ fn main() -> anyhow::Result<()> {
                         prefill_chunk_tokens,
                         draft,
                     };
-                    let loaded = args.open(&info.device)?;
+                    let mut loaded = args.open(&info.device)?;
+                    if let Some(n) = context_length {
+                        anyhow::ensure!(n >= 2, "--context-length must be at least 2");
+                        let trained = loaded.model.config().context_length;
+                        if n > trained {
+                            tracing::warn!(
+                                trained,
+                                serving = n,
+                                "serving a longer context than the model was trained on; answers past {trained} tokens may degrade"
+                            );
+                        }
+                        loaded.model.set_context_length(n);
+                    }
                     let layout = loaded.model.kv_layout();
                     kv_quant = kv_cache_bits
                         .map(|bits| KvQuant::from_bits(bits, layout.dtype))

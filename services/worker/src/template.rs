@@ -147,8 +147,7 @@ pub fn fold_late_system_messages(messages: &[ChatMessage]) -> (Vec<ChatMessage>,
         let tail = pending.join("\n\n");
         match out.iter_mut().rev().find(|m| m.role == "user") {
             Some(m) => {
-                m.content =
-                    serde_json::Value::String(format!("{}\n\n{tail}", text_of(&m.content)));
+                m.content = serde_json::Value::String(format!("{}\n\n{tail}", text_of(&m.content)));
             }
             None => out.push(ChatMessage::text("user", &tail)),
         }

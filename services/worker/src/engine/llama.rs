@@ -204,6 +204,12 @@ impl Model {
         &self.config
     }
 
+    /// Serves `tokens` of context instead of the model's own. Positions are rotated on the fly
+    /// (no table sized by the context), so only the limit moves.
+    pub fn set_context_length(&mut self, tokens: usize) {
+        self.config.context_length = tokens;
+    }
+
     pub fn policy(&self) -> DtypePolicy {
         self.policy
     }

@@ -176,11 +176,8 @@ impl Serving {
                     Ok(text) => text,
                     // A system message in place (agents put one after the first user turn)
                     // that this template refuses: its text joins the next user message.
-                    Err(first)
-                        if messages.iter().skip(1).any(|m| m.role == "system") =>
-                    {
-                        let (folded, moved) =
-                            crate::template::fold_late_system_messages(&messages);
+                    Err(first) if messages.iter().skip(1).any(|m| m.role == "system") => {
+                        let (folded, moved) = crate::template::fold_late_system_messages(&messages);
                         let text = self
                             .template
                             .render(&folded, chat.add_generation_prompt, tools.as_ref())
@@ -876,7 +873,11 @@ mod tests {
         assert_eq!(n, 60);
         let notice = notice.unwrap_or_default();
         assert_eq!(notice.feature, "max_tokens");
-        assert!(notice.message.contains("32000 clamped to 60"), "{}", notice.message);
+        assert!(
+            notice.message.contains("32000 clamped to 60"),
+            "{}",
+            notice.message
+        );
         let refused = output_budget(100, 100, 5)
             .err()
             .map(|s| s.message().to_string());
