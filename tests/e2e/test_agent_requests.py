@@ -7,6 +7,7 @@ fields, connection probes, the Responses API's namespace and hosted tools, Codex
 probe, embeddings with `encoding_format: null`. The real clients themselves run in
 test_agent_clients.py."""
 import json
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -15,7 +16,7 @@ import anthropic
 import openai
 import pytest
 
-from test_api import MODEL, config_cluster, pick_port, running_cluster
+from test_api import MODEL, Cluster, config_cluster, pick_port, running_cluster, stop_cluster
 
 EMBED = "all-minilm-l6-v2"
 # Answers are capped by the model's max_output_tokens, so that agents' 32000 finish quickly
@@ -412,3 +413,35 @@ def test_a_template_that_refuses_a_late_system_message_gets_it_joined_and_says_s
         counted = claude.messages.count_tokens(model=MODEL, messages=joined).input_tokens
         assert m.usage.input_tokens + m.usage.cache_read_input_tokens == counted
         assert c.proc.poll() is None
+
+
+def test_up_with_no_model_named_serves_the_chat_and_the_embedding_model(bin_dir, tmp_path):
+    """`make run`: `strata up` with nothing but defaults serves both models setup fetched, so a
+    client's first embeddings call works."""
+    port = pick_port()
+    log = tmp_path / "strata.log"
+    proc = subprocess.Popen([bin_dir / "strata", "up", "--bind", f"127.0.0.1:{port}",
+                             "--run-dir", str(tmp_path / "run"), "--kv-dir", str(tmp_path / "kv"),
+                             "--kv-ram", "64MiB", "--kv-disk", "256MiB"],
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    c = Cluster(proc, port, tmp_path / "run", log)
+    try:
+        c.wait_ready()
+        client = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0)
+        ids = {m.id: m.kind for m in client.models.list().data}
+        assert ids == {"smollm2-135m-instruct": "llm", EMBED: "embedding"}, ids
+        e = client.embeddings.create(model=EMBED, input="hello")
+        assert len(e.data[0].embedding) == 384
+    finally:
+        stop_cluster(c)
+
+
+def test_anthropic_output_config_format_is_enforced(claude):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    m = claude.messages.create(
+        model=MODEL, max_tokens=60, messages=[{"role": "user", "content": "Name a city in France."}],
+        extra_body={"output_config": {"format": {"type": "json_schema", "schema": schema}},
+                    "temperature": 0})
+    answer = json.loads(m.content[0].text)
+    assert set(answer) == {"city"} and isinstance(answer["city"], str), answer
