@@ -211,6 +211,35 @@ def test_codex_exec_answers(tiny, tmp_path):
     assert out.returncode in (0, 1) and "tokens used" in out.stderr, out.stderr
 
 
+def test_codex_on_its_built_in_provider_falls_back_to_http_after_one_websocket_probe(tiny, tmp_path):
+    """With `openai_base_url` (the built-in provider) Codex first tries the Responses API's
+    WebSocket transport, 7 times over ~6.5 s against a server that answers it with a 404. A 426
+    makes it post over HTTP after the first probe."""
+    work = tmp_path / "project"
+    work.mkdir()
+    codex = tmp_path / "codex"
+    codex.mkdir()
+    (codex / "config.toml").write_text(f'''model = "{TINY}"
+openai_base_url = "{tiny.url}/v1"
+check_for_update_on_startup = false
+web_search = "disabled"
+
+[analytics]
+enabled = false
+
+[features]
+plugins = false
+apps = false
+remote_plugin = false
+''')
+    before = requests_seen(tiny, "/v1/responses")
+    out = run([BIN / "codex", "exec", "--skip-git-repo-check", "Hi"],
+              clean_env(tmp_path, CODEX_HOME=str(codex), OPENAI_API_KEY=KEY), work)
+    after = requests_seen(tiny, "/v1/responses")
+    assert after.get("426", 0) - before.get("426", 0) == 1, (before, after)
+    assert after.get("200", 0) > before.get("200", 0), (before, after, out.stderr)
+
+
 def opencode_config(cluster, home, provider):
     if provider == "openai":
         block = {"npm": "@ai-sdk/openai-compatible", "name": "Strata",
