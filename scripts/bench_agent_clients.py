@@ -99,18 +99,25 @@ def proxy(upstream_port, recorder):
             self.send_header("transfer-encoding", "chunked")
             self.send_header("connection", "close")
             self.end_headers()
-            entry = {"path": self.path, "status": r.status, "ttft_s": None, "usage": {}}
+            entry = {"path": self.path, "status": r.status, "ttft_s": None, "usage": {},
+                     "client_left": False}
             buffer = b""
-            while True:
-                chunk = r.read1(65536) if hasattr(r, "read1") else r.read(65536)
-                if not chunk:
-                    break
-                if entry["ttft_s"] is None and b"content_block_delta" in chunk:
-                    entry["ttft_s"] = time.monotonic() - started
-                buffer += chunk
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-                self.wfile.flush()
-            self.wfile.write(b"0\r\n\r\n")
+            try:
+                while True:
+                    chunk = r.read1(65536)
+                    if not chunk:
+                        break
+                    if entry["ttft_s"] is None and b"content_block_delta" in chunk:
+                        entry["ttft_s"] = time.monotonic() - started
+                    buffer += chunk
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
+            except OSError:
+                # Claude Code gave up on the request (its own timeout, or the turn's).
+                entry["client_left"] = True
+            finally:
+                conn.close()
             entry["total_s"] = time.monotonic() - started
             for line in buffer.decode("utf-8", "replace").splitlines():
                 if line.startswith("data:") and '"usage"' in line:
@@ -128,7 +135,7 @@ def proxy(upstream_port, recorder):
     return server, server.server_address[1]
 
 
-def claude_turn(prompt, first, proxy_port, work, home):
+def claude_turn(prompt, first, proxy_port, work, home, turn_timeout_s):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "CLAUDE_"))}
     env.update(HOME=str(home), ANTHROPIC_BASE_URL=f"http://127.0.0.1:{proxy_port}",
                ANTHROPIC_API_KEY="sk-bench", CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
@@ -138,8 +145,11 @@ def claude_turn(prompt, first, proxy_port, work, home):
     if not first:
         cmd.insert(2, "--continue")
     started = time.monotonic()
-    out = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True, timeout=3600,
-                         stdin=subprocess.DEVNULL)
+    try:
+        out = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True,
+                             timeout=turn_timeout_s, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return time.monotonic() - started, {"is_error": True, "result": "turn timed out"}
     wall = time.monotonic() - started
     try:
         result = json.loads(out.stdout)
@@ -169,7 +179,8 @@ def session(server, tmp, log):
             else:
                 restore = 0.0
             seen = len(recorder.requests)
-            wall, result = claude_turn(prompt, i == 1, proxy_port, work, home)
+            wall, result = claude_turn(prompt, i == 1, proxy_port, work, home,
+                                       server.args.turn_timeout)
             requests = recorder.since(seen)
             first = requests[0] if requests else {}
             turns.append({
@@ -221,6 +232,8 @@ def main():
     ap.add_argument("--llama-server", default="")
     ap.add_argument("--vllm-mlx", default=str(bench_peers.PEERS / "vllmmlxvenv/bin/vllm-mlx"))
     ap.add_argument("--out", default="docs/bench/agent-clients")
+    ap.add_argument("--turn-timeout", type=float, default=900,
+                    help="seconds a turn may take before it counts as failed")
     args = ap.parse_args()
     args.model = bench_peers.MODELS[args.model]
     if "llama-server" in args.servers and not args.llama_server:
@@ -242,7 +255,8 @@ def main():
             results[name] = session(server, tmp / name / "session", log)
         finally:
             server.stop()
-    write_report(args, results, out)
+        # After each server, so that a long run leaves what it measured so far.
+        write_report(args, results, out)
 
 
 if __name__ == "__main__":
