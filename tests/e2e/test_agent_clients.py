@@ -23,7 +23,8 @@ import urllib.request
 
 import pytest
 
-from test_api import MODEL, config_cluster, pick_port, running_cluster
+from test_agent_requests import TINY, tiny_cluster
+from test_api import MODEL, pick_port, running_cluster
 
 CLIENTS = pathlib.Path(os.environ.get("STRATA_CACHE", pathlib.Path.home() / ".cache/strata")) / "clients"
 BIN = CLIENTS / "node_modules/.bin"
@@ -43,30 +44,10 @@ def cluster(bin_dir, default_model, tmp_path_factory):
         yield c
 
 
-TINY = "tiny"
-
-
 @pytest.fixture(scope="module")
 def tiny(bin_dir, default_model, tmp_path_factory):
-    path = default_model.parent.parent / "qwen2-tiny/qwen2_tiny.gguf"
-    assert path.is_file(), f"{path} missing: run scripts/setup"
-    tmp = tmp_path_factory.mktemp("tiny-clients")
-    port = pick_port()
-    with config_cluster(bin_dir, tmp, port, f"""
-bind = "127.0.0.1:{port}"
-run_dir = "{tmp / 'run'}"
-[cache]
-dir = "{tmp / 'kv'}"
-ram = "256MiB"
-disk = "512MiB"
-[[models]]
-id = "{TINY}"
-path = "{path}"
-pinned = true
-aliases = ["claude-*"]
-context_length = 131072
-max_output_tokens = 32
-""") as c:
+    with tiny_cluster(bin_dir, default_model, tmp_path_factory.mktemp("tiny-clients"),
+                      'aliases = ["claude-*"]\ncontext_length = 131072\nmax_output_tokens = 32') as c:
         yield c
 
 

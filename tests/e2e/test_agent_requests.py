@@ -6,6 +6,7 @@ reported as not applied, max_tokens past the context clamped and reported, Anthr
 fields, connection probes, the Responses API's namespace and hosted tools, Codex's WebSocket
 probe, embeddings with `encoding_format: null`. The real clients themselves run in
 test_agent_clients.py."""
+import contextlib
 import json
 import subprocess
 import time
@@ -171,26 +172,33 @@ TINY = "tiny"
 TINY_CONTEXT = 512
 
 
-@pytest.fixture(scope="module")
-def tiny(bin_dir, default_model, tmp_path_factory):
-    """A cluster serving the tiny random Qwen2 that setup writes (a 512-token context), so
-    that a prompt filling the context costs little on 2 cores."""
+@contextlib.contextmanager
+def tiny_cluster(bin_dir, default_model, tmp, model_settings=""):
+    """A cluster serving the tiny random Qwen2 that setup writes (its own context is 512
+    tokens), with extra `[[models]]` settings, for the duration of the block."""
     path = default_model.parent.parent / "qwen2-tiny/qwen2_tiny.gguf"
     assert path.is_file(), f"{path} missing: run scripts/setup"
-    tmp = tmp_path_factory.mktemp("tiny")
     port = pick_port()
     with config_cluster(bin_dir, tmp, port, f"""
 bind = "127.0.0.1:{port}"
 run_dir = "{tmp / 'run'}"
 [cache]
 dir = "{tmp / 'kv'}"
-ram = "64MiB"
-disk = "256MiB"
+ram = "256MiB"
+disk = "512MiB"
 [[models]]
 id = "{TINY}"
 path = "{path}"
 pinned = true
+{model_settings}
 """) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tiny(bin_dir, default_model, tmp_path_factory):
+    """The tiny model at its own 512-token context: a prompt filling it costs little."""
+    with tiny_cluster(bin_dir, default_model, tmp_path_factory.mktemp("tiny")) as c:
         yield c
 
 
