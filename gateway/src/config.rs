@@ -11,6 +11,7 @@
 //! dir = "/Volumes/FastSSD/strata-kv"
 //! ram = "4GiB"
 //! disk = "100GiB"
+//! exact = false                      # true: block-granular, bit-identical hits only
 //!
 //! [[models]]
 //! id = "smollm2"
@@ -98,6 +99,12 @@ pub struct CacheConfig {
     /// answer yet (at boot, or while its manager restarts it); workers compute meanwhile.
     #[serde(default)]
     pub external: bool,
+    /// Block-granular, bit-identical reuse: a hit takes whole blocks (and partial blocks whose
+    /// tokens all continue the prompt), with chunk ends fixed by position, so a warm run
+    /// repeats a cold run's arithmetic bit for bit. Off by default: a hit then reuses the
+    /// longest common prefix at any token, within floating-point rounding of a cold run.
+    #[serde(default)]
+    pub exact: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]

@@ -177,6 +177,10 @@ struct UpArgs {
     /// not bit-identical with, computing them.
     #[arg(long, env = "STRATA_STORE_DECODE_KV")]
     store_decode_kv: bool,
+    /// Block-granular, bit-identical cache hits (`cache.exact` in strata.toml). By default a hit
+    /// reuses the longest common prefix at any token and equals a cold run within rounding.
+    #[arg(long, env = "STRATA_CACHE_EXACT")]
+    cache_exact: bool,
     /// Export traces over OTLP/gRPC to this collector, e.g. http://127.0.0.1:4317 (Jaeger);
     /// off when neither this nor `otlp_endpoint` in the config is set.
     #[arg(long)]
@@ -629,6 +633,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
                 (m.store_decode_kv || args.store_decode_kv)
                     .then(|| "--store-decode-kv".to_string()),
             )
+            .chain((config.cache.exact || args.cache_exact).then(|| "--cache-exact".to_string()))
             .chain(
                 m.draft_model
                     .iter()

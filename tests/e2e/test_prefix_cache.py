@@ -296,3 +296,141 @@ def test_tenants_with_different_salts_never_share_blocks(cluster):
     b, usage = ask(cluster, question, salt="tenant-b")
     assert usage.prompt_tokens_details.cached_tokens == 0
     assert a1 == a2 == b
+
+
+# Token-granular reuse (the default). A hit takes the longest common prefix wherever it ends,
+# the leading rows of a held block included; what follows is computed in a chunk of another
+# shape than the cold run's, so warm and cold agree within float32 rounding, not bit for bit.
+#
+# LOGPROB_TOLERANCE: the largest difference allowed between a warm and a cold run's log
+# probabilities (top 5 at each of 16 greedy steps). On this model (f32 on the CPU) a different
+# chunk shape changes the order of the matmul's sums, which moves the logits by ~1e-6
+# relative; through 30 layers and a softmax the largest difference measured over these
+# prompts was 2.9e-5 (each test prints its own). 1e-3 leaves 30x for other machines' BLAS
+# kernels, and is far below what a reuse bug does: a wrong row or a shifted position moves
+# the log probabilities by 0.1 or more and changes the greedy tokens.
+LOGPROB_TOLERANCE = 1e-3
+DIVERGE = [BLOCK + 1, BLOCK + 100, 2 * BLOCK - 1, 2 * BLOCK + 37, 3 * BLOCK + 10]
+
+
+def base_ids(seed):
+    return [1000 + (i * 37 + seed * 101) % 5000 for i in range(3 * BLOCK + 60)]
+
+
+def diverged(ids, at):
+    """`ids` up to `at`, then 40 other tokens: a prompt that parts from it inside a block."""
+    return ids[:at] + [6000 + (i * 13 + at) % 900 for i in range(40)]
+
+
+def run_ids(cluster, ids, salt, breaks=None):
+    """(greedy tokens, top-5 log probabilities per step, usage) of a completion from ids."""
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="x", max_retries=0)
+    extra = {"cache_salt": salt, "ignore_eos": True}
+    if breaks:
+        extra["prefill_breaks"] = breaks
+    r = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=16,
+                                  logprobs=5, extra_body=extra)
+    lp = r.choices[0].logprobs
+    return lp.tokens, lp.top_logprobs, r.usage
+
+
+def logprob_gap(a, b):
+    """The largest difference between two runs' log probabilities of the tokens both list."""
+    gap = 0.0
+    for x, y in zip(a, b):
+        for token in set(x) & set(y):
+            gap = max(gap, abs(x[token] - y[token]))
+    return gap
+
+
+def same_as_cold(cluster, warm, ids, label):
+    tokens, top, _ = warm
+    cold_tokens, cold_top, usage = run_ids(cluster, ids, f"cold-{label}")
+    assert usage.prompt_tokens_details.cached_tokens == 0
+    gap = logprob_gap(top, cold_top)
+    print(f"{label}: largest log-probability difference from the cold run {gap:.2e}")
+    assert tokens == cold_tokens, label
+    assert gap < LOGPROB_TOLERANCE, (label, gap)
+    return gap
+
+
+def test_a_prompt_that_parts_inside_a_block_reuses_every_common_token(cluster):
+    ids = base_ids(1)
+    salt = "granular-l0"
+    _, _, usage = run_ids(cluster, ids, salt)
+    assert usage.prompt_tokens_details.cached_tokens == 0
+    for at in DIVERGE:
+        prompt = diverged(ids, at)
+        warm = run_ids(cluster, prompt, salt)
+        assert warm[2].prompt_tokens_details.cached_tokens == at, (at, warm[2])
+        assert tiers(warm[2]) == (at, 0, 0)
+        same_as_cold(cluster, warm, prompt, f"l0-{at}")
+    # Each branch was stored too: the first prompt and every branch hit in full again.
+    for prompt in [ids] + [diverged(ids, at) for at in DIVERGE]:
+        _, _, usage = run_ids(cluster, prompt, salt)
+        assert usage.prompt_tokens_details.cached_tokens == len(prompt) - 1
+
+
+def wait_on_disk(cluster, known, blocks):
+    """Waits until a namespace not in `known` (a new salt's) has `blocks` blocks on disk."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        stats = admin(cluster, "/admin/api/cache/stats")["namespaces"]
+        if any(n["namespace"] not in known and n["disk"]["blocks"] >= blocks for n in stats):
+            return
+        time.sleep(0.1)
+    pytest.fail(f"the new namespace has fewer than {blocks} blocks on disk: {stats}")
+
+
+def test_token_granular_hits_come_from_ram_and_disk_after_restarts(cluster):
+    ids = base_ids(2)
+    salt = "granular-tiers"
+    before = {n["namespace"] for n in admin(cluster, "/admin/api/cache/stats")["namespaces"]}
+    run_ids(cluster, ids, salt)
+    wait_on_disk(cluster, before, 4)  # 3 whole blocks and the tail
+    restart_worker(cluster)
+    at = 2 * BLOCK + 37
+    warm = run_ids(cluster, diverged(ids, at), salt)
+    assert tiers(warm[2]) == (0, at, 0), warm[2]
+    same_as_cold(cluster, warm, diverged(ids, at), "l1")
+
+    pid = kvcache_pid(cluster)
+    os.kill(pid, signal.SIGKILL)
+    wait_kvcache_back(cluster, pid)
+    restart_worker(cluster)
+    at = BLOCK + 100
+    warm = run_ids(cluster, diverged(ids, at), salt)
+    assert tiers(warm[2]) == (0, 0, at), warm[2]
+    same_as_cold(cluster, warm, diverged(ids, at), "l2")
+
+
+def test_eight_concurrent_branches_of_one_prefix_match_their_cold_runs(cluster):
+    from concurrent.futures import ThreadPoolExecutor
+    ids = base_ids(3)
+    salt = "granular-8"
+    run_ids(cluster, ids, salt)
+    points = [BLOCK + 1 + i * 61 for i in range(8)]
+    prompts = [diverged(ids, at) for at in points]
+    with ThreadPoolExecutor(8) as pool:
+        warm = list(pool.map(lambda p: run_ids(cluster, p, salt), prompts))
+    for at, prompt, w in zip(points, prompts, warm):
+        assert w[2].prompt_tokens_details.cached_tokens == at, (at, w[2])
+        same_as_cold(cluster, w, prompt, f"8-way-{at}")
+
+
+def test_cache_exact_keeps_block_granular_bit_identical_hits(bin_dir, default_model, tmp_path):
+    with running_cluster(bin_dir, default_model, tmp_path, "--cache-exact") as c:
+        ids = base_ids(4)
+        salt = "exact"
+        run_ids(c, ids, salt)
+        for at in (BLOCK + 100, 2 * BLOCK + 37):
+            prompt = diverged(ids, at)
+            tokens, top, usage = run_ids(c, prompt, salt)
+            whole = at // BLOCK * BLOCK
+            assert usage.prompt_tokens_details.cached_tokens == whole, usage
+            # The cold run with a chunk end where the hit ended: the same arithmetic.
+            cold_tokens, cold_top, cold = run_ids(c, prompt, f"exact-cold-{at}", breaks=[whole])
+            assert cold.prompt_tokens_details.cached_tokens == 0
+            assert (tokens, top) == (cold_tokens, cold_top)
+        workers = {w["name"]: w for w in admin(c, "/admin/api/workers")["workers"]}
+        assert "cache.exact" in json.dumps(workers[f"worker-{MODEL}"])

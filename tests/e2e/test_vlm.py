@@ -166,16 +166,20 @@ def test_a_different_image_never_reuses_the_image_blocks(oai):
     assert warm_a.usage.prompt_tokens_details.cached_tokens == warm_a.usage.prompt_tokens - 1
     assert ids_of(warm_a) == ids_of(cold_a)
 
-    # Another image: the text-only blocks are shared, nothing from the image on.
+    # Another image: the text before it is shared (to the token: the leading rows of the
+    # block that holds the image), nothing from the image on.
     b_after_a = image_chat(oai, b, prefix, salt="keys")
-    assert b_after_a.usage.prompt_tokens_details.cached_tokens == text_blocks, b_after_a.usage
+    assert b_after_a.usage.prompt_tokens_details.cached_tokens == image_start, b_after_a.usage
     cold_b = image_chat(oai, b, prefix, salt="keys-cold-b")
     assert cold_b.usage.prompt_tokens_details.cached_tokens == 0
     assert ids_of(b_after_a) == ids_of(cold_b)
     # The answers' probabilities show that the model saw the other image (the random model
     # may still pick the same tokens after this much text).
+    # Within float rounding of the cold run (the hit ends inside a block; see
+    # test_prefix_cache.LOGPROB_TOLERANCE), and far from the other image's.
     probs = lambda r: [lp.logprob for lp in r.choices[0].logprobs.content]  # noqa: E731
-    assert probs(b_after_a) == probs(cold_b)
+    gap = max(abs(x - y) for x, y in zip(probs(b_after_a), probs(cold_b)))
+    assert gap < 1e-3, gap
     assert probs(b_after_a) != probs(warm_a)
 
 

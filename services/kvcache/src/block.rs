@@ -169,6 +169,32 @@ pub fn is_partial(h: &BlockHeader) -> bool {
     h.block_tokens != 0 && (h.token_ids.len() as u32) < h.block_tokens
 }
 
+/// How a held block may continue a prompt past the whole blocks held for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Continuation {
+    /// A partial block (fewer than `block_tokens` tokens) whose tokens all start the rest: the
+    /// block-granular rule of `cache.exact`, under which hits are bit-identical.
+    WholePartial { block_tokens: usize },
+    /// Any block, full or partial, by its longest common prefix with the rest: its leading
+    /// rows are the KV of those tokens at those positions (the default).
+    CommonPrefix,
+}
+
+impl Continuation {
+    /// How many leading tokens of `tail` a block holding `stored` gives (0: none).
+    pub fn rows(self, stored: &[u32], tail: &[u32]) -> usize {
+        match self {
+            Continuation::WholePartial { block_tokens } => {
+                let whole = stored.len() < block_tokens && tail.starts_with(stored);
+                if whole { stored.len() } else { 0 }
+            }
+            Continuation::CommonPrefix => {
+                stored.iter().zip(tail).take_while(|(a, b)| a == b).count()
+            }
+        }
+    }
+}
+
 /// The parent under which a chain's first block hangs, per namespace.
 pub fn root_of(namespace: &str) -> BlockKey {
     BlockKey::chain(namespace, None, &[])

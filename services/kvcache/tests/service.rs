@@ -390,6 +390,79 @@ fn a_dir_that_cannot_be_created_is_a_clear_error() {
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
+/// A Lookup of `keys` with the prompt's tokens, by the block-granular rule or by common prefix.
+fn lookup_tokens(
+    c: &mut KvCacheClient<Channel>,
+    keys: Vec<Vec<u8>>,
+    tokens: Vec<u32>,
+    common_prefix: bool,
+) -> impl std::future::Future<Output = strata_proto::kvcache::LookupResponse> + use<> {
+    let mut c = c.clone();
+    async move {
+        c.lookup(LookupRequest {
+            namespace: NS.into(),
+            keys,
+            prompt_tokens: tokens,
+            block_tokens: TOKENS_PER_BLOCK,
+            common_prefix,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+    }
+}
+
+/// At token granularity any block under the held prefix, full or partial, continues it by
+/// its longest common prefix with the prompt, from RAM and from the disk index after a restart.
+#[tokio::test]
+async fn blocks_continue_a_prefix_by_their_longest_common_prefix_at_token_granularity() {
+    let dir = tempfile::tempdir().unwrap();
+    let full = chain(3);
+    let branch = tail_block(&full[..1], vec![1000, 1001, 1002, 5, 6]);
+    let svc = Service::start(dir.path());
+    let mut c = svc.client();
+    let all = vec![
+        full[0].clone(),
+        full[1].clone(),
+        full[2].clone(),
+        branch.clone(),
+    ];
+    assert_eq!(store(&mut c, all).await, 4);
+    continuations_by_common_prefix(&mut c, &full, &branch).await;
+    svc.stop();
+    // After a restart the same blocks are found through the disk index.
+    let svc = Service::start(dir.path());
+    continuations_by_common_prefix(&mut svc.client(), &full, &branch).await;
+    svc.stop();
+}
+
+async fn continuations_by_common_prefix(
+    c: &mut KvCacheClient<Channel>,
+    full: &[Block],
+    branch: &Block,
+) {
+    let tokens_of = |b: &Block| b.header.as_ref().unwrap().token_ids.clone();
+    // The prompt holds block 0, then 10 tokens of block 1, then parts from it.
+    let mut prompt = tokens_of(&full[0]);
+    prompt.extend_from_slice(&tokens_of(&full[1])[..10]);
+    prompt.extend_from_slice(&[424242; 20]);
+    let keys: Vec<Vec<u8>> = vec![key(&full[0]), vec![7; 32]];
+    let r = lookup_tokens(c, keys.clone(), prompt.clone(), true).await;
+    assert_eq!(r.blocks.len(), 1);
+    let found = r.partial.as_ref().map(|p| p.key.clone());
+    assert_eq!((r.partial_tokens, found), (10, Some(key(&full[1]))));
+    // The block-granular rule takes no full block's rows, nor a partial block that does not
+    // start the rest whole.
+    let r = lookup_tokens(c, keys.clone(), prompt, false).await;
+    assert!(r.partial.is_none(), "{r:?}");
+    // Two branches of one prefix are both held: the one sharing more wins.
+    let mut other = tokens_of(&full[0]);
+    other.extend_from_slice(&[1000, 1001, 1002, 5, 9, 9]);
+    let r = lookup_tokens(c, keys, other, true).await;
+    let found = r.partial.as_ref().map(|p| p.key.clone());
+    assert_eq!((r.partial_tokens, found), (4, Some(key(branch))));
+}
+
 /// A partial block of `n` tokens continuing `blocks`, as a worker stores a prompt's tail.
 fn tail_block(blocks: &[Block], tokens: Vec<u32>) -> Block {
     let parent = blocks.last().and_then(|b| BlockKey::from_slice(&key(b)));
@@ -426,18 +499,7 @@ async fn partial_tail_blocks_are_found_by_prefix_under_their_parent_even_after_r
         p
     };
     let ask = |c: &mut KvCacheClient<Channel>, keys: Vec<Vec<u8>>, tokens: Vec<u32>| {
-        let mut c = c.clone();
-        async move {
-            c.lookup(LookupRequest {
-                namespace: NS.into(),
-                keys,
-                prompt_tokens: tokens,
-                block_tokens: TOKENS_PER_BLOCK,
-            })
-            .await
-            .unwrap()
-            .into_inner()
-        }
+        lookup_tokens(c, keys, tokens, false)
     };
 
     let svc = Service::start(dir.path());
@@ -816,7 +878,12 @@ async fn a_read_only_cache_directory_degrades_to_ram_only_and_recovers() {
     blocks_dir.set("rw");
     let after = chain_in(NS, 2, 33);
     assert_eq!(store(&mut c, after).await, 2);
-    let stats = wait_for_writer(&mut c, |s| s.disk_degraded.is_empty()).await;
+    // (Waiting for both: a write that got through while the mount flag was changing may
+    // have cleared the state early.)
+    let stats = wait_for_writer(&mut c, |s| {
+        s.disk_degraded.is_empty() && s.disk.as_ref().is_some_and(|d| d.blocks >= 5)
+    })
+    .await;
     assert!(stats.disk.unwrap().blocks >= 5);
     svc.stop();
 }

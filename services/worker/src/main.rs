@@ -14,7 +14,7 @@ use strata_worker::engine::sample::SamplingParams;
 use strata_worker::engine::speculative::Draft;
 use strata_worker::grpc::{EmbeddingServing, ModelInfo, Served, Serving, WorkerService};
 use strata_worker::kv_quant::KvQuant;
-use strata_worker::prefix_cache::PrefixCache;
+use strata_worker::prefix_cache::{PrefixCache, Reuse};
 use strata_worker::scheduler::Scheduler;
 use strata_worker::template::ChatMessage;
 use strata_worker::{blas_env, mlx_device};
@@ -74,6 +74,12 @@ enum Command {
         /// with, computing it.
         #[arg(long)]
         store_decode_kv: bool,
+        /// Block-granular cache hits, bit-identical with a cold run that has the same chunk
+        /// ends. By default a hit reuses the longest common prefix at any token, also the
+        /// leading rows of a block whose later tokens differ; the rest is computed in a chunk
+        /// of another shape, so the result equals a cold run within floating-point rounding.
+        #[arg(long)]
+        cache_exact: bool,
         /// Bits per value of cached KV blocks [default: the live KV dtype's, 32 on CPU, 16 on
         /// GPUs: hits are then bit-identical with computing the prompt]. 16 for KV computed in
         /// float32 stores float16 (half the bytes); 8 or 4 store affine codes (3.6x or 6.4x
@@ -385,6 +391,7 @@ fn main() -> anyhow::Result<()> {
             l0_bytes,
             memory_budget,
             store_decode_kv,
+            cache_exact,
             kv_cache_bits,
             context_length,
             draft,
@@ -470,13 +477,18 @@ fn main() -> anyhow::Result<()> {
                 ..info
             };
 
+            let reuse = if cache_exact {
+                Reuse::Exact
+            } else {
+                Reuse::CommonPrefix
+            };
             let serving = serving.map(|mut s| {
                 let prefix_feature = match (&kvcache_socket, l0_bytes) {
-                    (Some(_), 0) => "on (cache service only, L0 off)".to_string(),
-                    (Some(_), l0) => format!("on (L0 {} MiB + cache service)", l0 >> 20),
+                    (Some(_), 0) => format!("on (cache service only, L0 off; {})", reuse.describe()),
+                    (Some(_), l0) => format!("on (L0 {} MiB + cache service; {})", l0 >> 20, reuse.describe()),
                     (None, 0) => "off (no cache service socket and L0 off)".to_string(),
                     (None, l0) => {
-                        format!("on (L0 {} MiB only: no cache service socket)", l0 >> 20)
+                        format!("on (L0 {} MiB only: no cache service socket; {})", l0 >> 20, reuse.describe())
                     }
                 };
                 s.features.push(("prefix_cache".into(), prefix_feature));
@@ -505,7 +517,7 @@ fn main() -> anyhow::Result<()> {
                         s.info.block_tokens as usize,
                         s.kv_layout,
                         kv_quant,
-                    ));
+                    ).with_reuse(reuse));
                 }
                 s
             });

@@ -15,7 +15,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
-use crate::block::BlockKey;
+use crate::block::{BlockKey, Continuation};
 use crate::store::Store;
 
 /// Bounds on one request, so that a bad client cannot make the service allocate without limit.
@@ -108,7 +108,14 @@ impl KvCacheService {
                     .map(|(k, _)| *k)
                     .unwrap_or_else(|| crate::block::root_of(&req.namespace));
                 let tail = req.prompt_tokens.get(found.len() * block..).unwrap_or(&[]);
-                store.find_partial(&parent, tail)
+                let how = if req.common_prefix {
+                    Continuation::CommonPrefix
+                } else {
+                    Continuation::WholePartial {
+                        block_tokens: block,
+                    }
+                };
+                store.find_child(&parent, tail, how)
             } else {
                 None
             };

@@ -74,9 +74,10 @@ struct IndexEntry {
     size: u64,
     last_access: u64,
     namespace: String,
-    /// For partial (tail) blocks: the parent and the token ids, so that they can be found by
-    /// prefix after a restart without reading the files.
-    partial: Option<(BlockKey, Vec<u32>)>,
+    /// The parent and the token ids, so that a block can be found by common prefix under its
+    /// parent after a restart without reading the files. Entries written before round 2 have
+    /// it for partial (tail) blocks only; their full blocks are found by chain key alone.
+    child: Option<(BlockKey, Vec<u32>)>,
 }
 
 impl IndexEntry {
@@ -86,7 +87,7 @@ impl IndexEntry {
         v.extend_from_slice(&self.last_access.to_le_bytes());
         v.extend_from_slice(&(self.namespace.len() as u32).to_le_bytes());
         v.extend_from_slice(self.namespace.as_bytes());
-        if let Some((parent, tokens)) = &self.partial {
+        if let Some((parent, tokens)) = &self.child {
             v.extend_from_slice(&parent.0);
             for t in tokens {
                 v.extend_from_slice(&t.to_le_bytes());
@@ -100,7 +101,7 @@ impl IndexEntry {
         let ns_len = u32::from_le_bytes(v.get(16..20)?.try_into().ok()?) as usize;
         let namespace = String::from_utf8(v.get(20..20 + ns_len)?.to_vec()).ok()?;
         let rest = v.get(20 + ns_len..)?;
-        let partial = if rest.is_empty() {
+        let child = if rest.is_empty() {
             None
         } else {
             let parent = BlockKey::from_slice(rest.get(..32)?)?;
@@ -118,19 +119,16 @@ impl IndexEntry {
             size: u64_at(0)?,
             last_access: u64_at(8)?,
             namespace,
-            partial,
+            child,
         })
     }
 }
 
-/// A partial block as the index knows it: (key, parent, token ids).
-pub type PartialEntry = (BlockKey, BlockKey, Vec<u32>);
+/// A block as the children index knows it: (key, parent, token ids).
+pub type ChildEntry = (BlockKey, BlockKey, Vec<u32>);
 
-fn partial_of(block: &Block) -> Option<(BlockKey, Vec<u32>)> {
+fn child_of(block: &Block) -> Option<(BlockKey, Vec<u32>)> {
     let h = block.header.as_ref()?;
-    if !block::is_partial(h) {
-        return None;
-    }
     let parent = if h.parent.is_empty() {
         block::root_of(&h.namespace)
     } else {
@@ -172,7 +170,7 @@ pub struct DiskTier {
     /// Days since the epoch, UTC; replaceable in tests.
     today: fn() -> u64,
     /// Partial blocks found at open, for the store's prefix index.
-    partials_at_open: Vec<PartialEntry>,
+    children_at_open: Vec<ChildEntry>,
 }
 
 const WRITTEN_TODAY: &[u8] = b"written_today";
@@ -226,7 +224,7 @@ impl DiskTier {
             written_today,
             meta,
             today: utc_day,
-            partials_at_open: Vec::new(),
+            children_at_open: Vec::new(),
         };
         tier.recover()?;
         tier.measure_sled();
@@ -247,8 +245,8 @@ impl DiskTier {
             match fs::metadata(&path) {
                 Ok(m) if m.len() == entry.size => {
                     named.insert(path);
-                    if let Some((parent, tokens)) = entry.partial.clone() {
-                        self.partials_at_open.push((key, parent, tokens));
+                    if let Some((parent, tokens)) = entry.child.clone() {
+                        self.children_at_open.push((key, parent, tokens));
                     }
                     self.clock = self.clock.max(entry.last_access + 1);
                     self.track(key, entry.size, entry.last_access, &entry.namespace);
@@ -303,15 +301,15 @@ impl DiskTier {
             return Ok(false);
         }
         self.clock += 1;
-        let partial = partial_of(&block);
-        if let Some((parent, tokens)) = partial.clone() {
-            self.partials_at_open.push((key, parent, tokens));
+        let child = child_of(&block);
+        if let Some((parent, tokens)) = child.clone() {
+            self.children_at_open.push((key, parent, tokens));
         }
         let entry = IndexEntry {
             size: file_bytes,
             last_access: self.clock,
             namespace: block.header.map(|h| h.namespace).unwrap_or_default(),
-            partial,
+            child,
         };
         self.index.insert(key.0, entry.encode())?;
         self.track(key, entry.size, entry.last_access, &entry.namespace);
@@ -509,7 +507,7 @@ impl DiskTier {
             size,
             last_access: self.clock,
             namespace,
-            partial: partial_of(block),
+            child: child_of(block),
         };
         self.index.insert(key.0, entry.encode())?;
         self.track(key, size, self.clock, &entry.namespace);
@@ -522,9 +520,9 @@ impl DiskTier {
         Ok(())
     }
 
-    /// The partial blocks found when the tier was opened (once).
-    pub fn take_partials(&mut self) -> Vec<PartialEntry> {
-        std::mem::take(&mut self.partials_at_open)
+    /// The blocks (parent, tokens) found when the tier was opened (once).
+    pub fn take_children(&mut self) -> Vec<ChildEntry> {
+        std::mem::take(&mut self.children_at_open)
     }
 
     /// Bytes written to this tier since midnight UTC.

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use strata_proto::kvcache::{Block, BlockFile, NamespaceStats, StatsResponse, Tier, TierStats};
 
-use crate::block::{self, BlockKey};
+use crate::block::{self, BlockKey, Continuation};
 use disk::{DiskError, DiskTier, ReadOutcome};
 use ram::RamTier;
 
@@ -53,13 +53,16 @@ struct Counters {
     budget_skips: AtomicU64,
 }
 
-/// Partial (tail) blocks by parent: (key, token ids). Entries whose block has since left both
-/// tiers are skipped at lookup and pruned.
-type PartialIndex = std::collections::HashMap<BlockKey, Vec<(BlockKey, Vec<u32>)>>;
+/// Every block by parent: (key, token ids), so that the block continuing a held prefix can be
+/// found by its tokens: a partial (tail) block whose tokens start the rest of a prompt, or, at
+/// token granularity, any block sharing a common prefix with it. Entries whose block has since
+/// left both tiers are skipped at lookup and pruned.
+type ChildIndex = std::collections::HashMap<BlockKey, Vec<(BlockKey, Vec<u32>)>>;
 
-/// A partial block that continues a held prefix.
+/// A block that continues a held prefix: its leading `tokens` rows are the prompt's next
+/// tokens.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PartialMatch {
+pub struct ChildMatch {
     pub key: BlockKey,
     pub tier: Tier,
     pub tokens: usize,
@@ -82,7 +85,7 @@ struct Inner {
     queued_bytes: AtomicU64,
     /// Why the disk tier is not taking writes, if it is not.
     degraded: Mutex<Option<String>>,
-    partials: Mutex<PartialIndex>,
+    children: Mutex<ChildIndex>,
     by_namespace: Mutex<NamespaceCounters>,
     ram: Mutex<RamTier>,
     disk: Mutex<DiskTier>,
@@ -188,14 +191,14 @@ impl Store {
         let mut disk =
             DiskTier::open_with_budget(&config.dir, config.disk_bytes, config.disk_write_budget)?;
         disk.set_quotas(config.quotas.clone());
-        let mut partials = PartialIndex::new();
-        for (key, parent, tokens) in disk.take_partials() {
-            partials.entry(parent).or_default().push((key, tokens));
+        let mut children = ChildIndex::new();
+        for (key, parent, tokens) in disk.take_children() {
+            children.entry(parent).or_default().push((key, tokens));
         }
         let inner = Arc::new(Inner {
             degraded: Mutex::new(None),
             queued_bytes: AtomicU64::new(0),
-            partials: Mutex::new(partials),
+            children: Mutex::new(children),
             by_namespace: Mutex::new(NamespaceCounters::new()),
             ram: Mutex::new(RamTier::new(config.ram_bytes)),
             disk: Mutex::new(disk),
@@ -254,11 +257,11 @@ impl Store {
                 return Err(e.to_string());
             }
         };
-        if let Some(h) = block.header.as_ref().filter(|h| block::is_partial(h)) {
+        if let Some(h) = block.header.as_ref() {
             let parent =
                 BlockKey::from_slice(&h.parent).unwrap_or_else(|| block::root_of(&h.namespace));
-            let mut partials = lock(&self.inner.partials);
-            let list = partials.entry(parent).or_default();
+            let mut children = lock(&self.inner.children);
+            let list = children.entry(parent).or_default();
             if !list.iter().any(|(k, _)| *k == key) {
                 list.push((key, h.token_ids.clone()));
             }
@@ -331,27 +334,41 @@ impl Store {
             .collect()
     }
 
-    /// The longest partial block stored under `parent` whose tokens start `tail`.
-    pub fn find_partial(&self, parent: &BlockKey, tail: &[u32]) -> Option<PartialMatch> {
-        let candidates: Vec<(BlockKey, usize)> = lock(&self.inner.partials)
+    /// The block under `parent` that continues `tail` furthest, by the rule `how`, with the
+    /// number of its leading tokens that do. Blocks that left both tiers are pruned.
+    pub fn find_child(
+        &self,
+        parent: &BlockKey,
+        tail: &[u32],
+        how: Continuation,
+    ) -> Option<ChildMatch> {
+        let candidates: Vec<(BlockKey, usize)> = lock(&self.inner.children)
             .get(parent)?
             .iter()
-            .filter(|(_, tokens)| tokens.len() <= tail.len() && tail.starts_with(tokens))
-            .map(|(k, tokens)| (*k, tokens.len()))
+            .filter_map(|(k, tokens)| {
+                let n = how.rows(tokens, tail);
+                (n > 0).then_some((*k, n))
+            })
             .collect();
-        let mut best: Option<PartialMatch> = None;
+        let mut best: Option<ChildMatch> = None;
         let mut gone = Vec::new();
         for (key, tokens) in candidates {
             match self.tier_of(&key) {
-                Some(tier) if best.as_ref().is_none_or(|b| tokens > b.tokens) => {
-                    best = Some(PartialMatch { key, tier, tokens });
+                // The longest; on a tie, one in RAM.
+                Some(tier)
+                    if best.as_ref().is_none_or(|b| {
+                        tokens > b.tokens
+                            || (tokens == b.tokens && tier == Tier::Ram && b.tier == Tier::Disk)
+                    }) =>
+                {
+                    best = Some(ChildMatch { key, tier, tokens });
                 }
                 Some(_) => {}
                 None => gone.push(key),
             }
         }
         if !gone.is_empty()
-            && let Some(list) = lock(&self.inner.partials).get_mut(parent)
+            && let Some(list) = lock(&self.inner.children).get_mut(parent)
         {
             list.retain(|(k, _)| !gone.contains(k));
         }

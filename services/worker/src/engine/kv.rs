@@ -275,10 +275,13 @@ impl KvCache {
             return Ok(());
         }
         for (bytes, tokens) in parts {
-            let expected = tokens * l.bytes_per_token();
-            if bytes.len() != expected {
+            // A part may hold more rows than are used: its leading `tokens` rows are imported
+            // (token-granular reuse takes the start of a block whose later tokens differ).
+            let per_token = l.bytes_per_token();
+            if bytes.len() % per_token != 0 || bytes.len() < tokens * per_token {
                 return Err(EngineError::Config(format!(
-                    "KV import of {tokens} tokens needs {expected} bytes, got {}",
+                    "KV import of {tokens} tokens needs a multiple of {per_token} bytes, at least {}, got {}",
+                    tokens * per_token,
                     bytes.len()
                 )));
             }
@@ -324,7 +327,8 @@ impl KvCache {
 }
 
 /// Builds the K and V arrays `[1, heads, capacity, dim]` of `layers` from `parts` (blocks in
-/// `export`'s layout, in token order); slots after the prefix are zero.
+/// `export`'s layout, in token order, each with the number of its leading rows to use); slots
+/// after the prefix are zero.
 fn import_layers(
     l: KvLayout,
     parts: &[(&[u8], usize)],
@@ -342,12 +346,14 @@ fn import_layers(
             // Each part's [heads, tokens, dim] goes at its token offset of [heads, capacity, dim].
             let mut at = 0;
             for (bytes, tokens) in parts {
-                let per_buf = tokens * l.kv_heads * row;
+                // Rows the part holds (checked by `import_all`: a whole number, >= tokens).
+                let held = bytes.len() / (2 * l.num_layers * l.kv_heads * row);
+                let per_buf = held * l.kv_heads * row;
                 let src = &bytes[(2 * layer + kv) * per_buf..(2 * layer + kv + 1) * per_buf];
                 for h in 0..l.kv_heads {
                     let to = (h * capacity + at) * row;
-                    buf[to..to + tokens * row]
-                        .copy_from_slice(&src[h * tokens * row..(h + 1) * tokens * row]);
+                    let from = h * held * row;
+                    buf[to..to + tokens * row].copy_from_slice(&src[from..from + tokens * row]);
                 }
                 at += tokens;
             }
@@ -394,6 +400,34 @@ fn view_as(raw: &Array, dtype: Dtype) -> Result<Array> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The leading rows of a longer block are the KV of those tokens: importing 3 of a 5-row
+    /// block gives what exporting the first 3 rows gave.
+    #[test]
+    fn the_leading_rows_of_a_longer_block_import_as_those_tokens() {
+        let layout = KvLayout {
+            num_layers: 2,
+            kv_heads: 2,
+            head_dim: 4,
+            dtype: Dtype::Float32,
+        };
+        let values = |n: usize, seed: f32| -> Vec<u8> {
+            (0..n * layout.bytes_per_token() / 4)
+                .flat_map(|i| (i as f32 * 0.5 + seed).to_le_bytes())
+                .collect()
+        };
+        let (first, second) = (values(4, 0.0), values(5, 1000.0));
+        let mut full = KvCache::new(layout, 16);
+        full.import_all(&[(&first, 4), (&second, 5)]).unwrap();
+        let mut lead = KvCache::new(layout, 16);
+        lead.import_all(&[(&first, 4), (&second, 3)]).unwrap();
+        assert_eq!(lead.len(), 7);
+        assert_eq!(lead.export(0, 7).unwrap(), full.export(0, 7).unwrap());
+        // More rows than the part holds, or a ragged part, is refused.
+        let mut bad = KvCache::new(layout, 16);
+        assert!(bad.import_all(&[(&first, 5)]).is_err());
+        assert!(bad.import_all(&[(&first[..first.len() - 4], 3)]).is_err());
+    }
 
     #[test]
     fn skipped_positions_shift_the_runs_of_a_chunk_and_everything_after() {
