@@ -12,6 +12,7 @@ use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{Array, Dtype};
 
 use super::config::ModelConfig;
+use super::cpu_attention::{self, AttentionInput};
 use super::kv::{KvCache, KvLayout};
 use super::policy::DtypePolicy;
 use super::weights::{Linear, Matrix, TensorStore};
@@ -92,8 +93,8 @@ pub struct Model {
     head: Option<Matrix>,
     final_norm: Array,
     layers: Vec<Layer>,
-    /// Decode steps at long context use `grouped_decode_attention` (on the CPU only).
-    grouped_decode: bool,
+    /// Attention runs through `cpu_attention` (on the CPU, in f32) instead of MLX's kernel.
+    cpu_attention: bool,
 }
 
 /// What a forward pass returns.
@@ -131,28 +132,6 @@ fn attention_weights(q: &Array, keys: &Array, held: i32, scale: f32) -> Result<A
     let mask = Array::from_slice(&mask, &[group * t, positions]);
     let weights = mlx_rs::ops::softmax_axis(scores.add(&mask)?, -1, true)?;
     Ok(weights.mean_axes(&[0, 1, 2], false)?)
-}
-
-/// Context length from which a decode step on the CPU takes `grouped_decode_attention`.
-/// Measured per layer of SmolLM2 (9 query heads, 3 KV heads, f32, 2 cores): fused attention
-/// 0.39 / 1.22 / 2.17 / 4.65 ms at 1K / 2K / 4K / 8K positions, grouped 0.48 / 0.58 / 1.39 /
-/// 3.30 ms; they cross near 1.5K.
-const GROUPED_DECODE_MIN: i32 = 1536;
-
-/// One decode query per head over `[1, kv_heads, n, dim]` keys and values, with the query
-/// heads that share a KV head stacked as the rows of one matmul (`[1, kv_heads, group, dim]`)
-/// against that head's keys. MLX's fused CPU attention gets slower than this past ~1.5K
-/// positions when query heads outnumber KV heads (see `GROUPED_DECODE_MIN`); on a GPU its
-/// kernel reads each KV head once anyway, so this path is for the CPU only.
-fn grouped_decode_attention(q: &Array, keys: &Array, values: &Array, scale: f32) -> Result<Array> {
-    let (heads, dim) = (q.shape()[1], q.shape()[3]);
-    let kv_heads = keys.shape()[1];
-    let q = q
-        .multiply(Array::from_f32(scale))?
-        .reshape(&[1, kv_heads, heads / kv_heads, dim])?;
-    let scores = q.matmul(&keys.transpose_axes(&[0, 1, 3, 2])?)?;
-    let weights = mlx_rs::ops::softmax_axis(&scores, -1, true)?;
-    Ok(weights.matmul(values)?.reshape(&[1, heads, 1, dim])?)
 }
 
 /// One sequence's part of a ragged batch: its new tokens and its cache.
@@ -221,7 +200,7 @@ impl Model {
             head,
             final_norm,
             layers,
-            grouped_decode: crate::mlx_device::default_device_kind() == "cpu",
+            cpu_attention: crate::mlx_device::default_device_kind() == "cpu",
         })
     }
 
@@ -349,7 +328,8 @@ impl Model {
             let q = layer.q.forward(&normed)?;
             let k = layer.k.forward(&normed)?;
             let v = layer.v.forward(&normed)?;
-            let mut outputs = Vec::with_capacity(batch.len());
+            // Each sequence's queries (RoPE applied) and everything its cache holds.
+            let mut inputs = Vec::with_capacity(batch.len());
             for (seq, &(start, end)) in batch.iter_mut().zip(&ranges) {
                 let t = end - start;
                 let rows = |a: &Array| -> Result<Array> {
@@ -380,12 +360,31 @@ impl Model {
                         None => weights,
                     });
                 }
-                let attn = if t == 1 && self.grouped_decode && held + 1 >= GROUPED_DECODE_MIN {
-                    grouped_decode_attention(&q, &keys, &values, scale)?
-                } else {
-                    let mask = (t > 1).then_some(ScaledDotProductAttentionMask::Causal);
-                    fast::scaled_dot_product_attention(&q, &keys, &values, scale, mask, None)?
-                };
+                inputs.push((q, keys, values));
+            }
+            let ours = self.cpu_attention
+                && inputs
+                    .iter()
+                    .all(|(q, keys, _)| cpu_attention::applies(q, keys));
+            let attended = if ours {
+                let views: Vec<AttentionInput<'_>> = inputs
+                    .iter()
+                    .map(|(q, keys, values)| AttentionInput { q, keys, values })
+                    .collect();
+                cpu_attention::attention(&views, scale)?
+            } else {
+                inputs
+                    .iter()
+                    .map(|(q, keys, values)| {
+                        let mask =
+                            (q.shape()[2] > 1).then_some(ScaledDotProductAttentionMask::Causal);
+                        fast::scaled_dot_product_attention(q, keys, values, scale, mask, None)
+                    })
+                    .collect::<std::result::Result<Vec<_>, _>>()?
+            };
+            let mut outputs = Vec::with_capacity(batch.len());
+            for (attn, &(start, end)) in attended.into_iter().zip(&ranges) {
+                let t = end - start;
                 outputs.push(attn.transpose_axes(&[0, 2, 1, 3])?.reshape(&[t, h * hd])?);
             }
             let attn = if outputs.len() == 1 {

@@ -3,6 +3,7 @@
 
 pub mod bert;
 pub mod config;
+pub mod cpu_attention;
 pub mod generate;
 pub mod gguf;
 pub mod image;
