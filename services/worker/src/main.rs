@@ -462,6 +462,7 @@ fn main() -> anyhow::Result<()> {
                         loaded,
                         EngineOptions {
                             store_decode_kv,
+                            last_token_alone: cache_exact,
                             ..args.options()
                         },
                         queue,

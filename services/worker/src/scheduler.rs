@@ -7,9 +7,16 @@
 //! not stuck behind a long prompt) and then one decode step for every sequence that has a
 //! token to feed, in a single forward pass. A long prefill is thus interleaved with the
 //! tokens of running streams instead of stalling them.
+//!
+//! The engine thread never waits on a client: each job's events go into an unbounded channel
+//! (at most `max_tokens` events, so bounded by the request), and a client that stops reading
+//! holds only its own events. A client that leaves is noticed between prefill chunks and at
+//! every token. A failure belongs to the sequences it happened to: a forward pass that fails
+//! fails the sequences in it, a sampling error fails its own sequence, and each is retired at
+//! once (its reservation with it) while the others go on.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError, sync_channel};
 use std::time::{Duration, Instant};
 
@@ -20,9 +27,6 @@ use crate::engine::generate::{EngineOptions, GenerateRequest, Generation, TokenE
 use crate::engine::loader::LoadedModel;
 use crate::engine::sequence::{CachedKv, FinishedBlock, Sequence, decode_step};
 use crate::prefix_cache::{BlockSinkFn, Prepared};
-
-/// Token events buffered per job before the engine waits for the reader.
-const EVENTS_PER_JOB: usize = 64;
 
 pub enum JobEvent {
     Token(TokenEvent),
@@ -36,7 +40,7 @@ pub enum JobEvent {
 struct Job {
     request: GenerateRequest,
     prefix: Option<Prepared>,
-    events: mpsc::Sender<JobEvent>,
+    events: mpsc::UnboundedSender<JobEvent>,
     enqueued: Instant,
     /// The request's span, and its child that lasts while the job waits for the engine.
     span: tracing::Span,
@@ -47,6 +51,8 @@ struct Job {
 pub struct Counters {
     pub requests: AtomicU64,
     pub failed: AtomicU64,
+    /// Jobs whose client left after they started (queued ones are dropped uncounted).
+    pub cancelled: AtomicU64,
     pub prompt_tokens: AtomicU64,
     pub generated_tokens: AtomicU64,
     pub queued: AtomicUsize,
@@ -76,6 +82,18 @@ pub struct Scheduler {
     pub counters: Arc<Counters>,
     pub capacity: usize,
     pub max_batch: usize,
+    /// False once the engine thread has ended (it returns only when every handle is gone, so
+    /// while handles exist this means it panicked or never started).
+    running: Arc<AtomicBool>,
+}
+
+/// Clears `running` when the engine thread ends, by return or by panic.
+struct RunningFlag(Arc<AtomicBool>);
+
+impl Drop for RunningFlag {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
 }
 
 impl Scheduler {
@@ -89,16 +107,31 @@ impl Scheduler {
         let (jobs, rx) = sync_channel::<Job>(capacity);
         let counters = Arc::new(Counters::default());
         let c = counters.clone();
-        std::thread::Builder::new()
+        let running = Arc::new(AtomicBool::new(true));
+        let flag = RunningFlag(running.clone());
+        let spawned = std::thread::Builder::new()
             .name("engine".into())
-            .spawn(move || run(&model, &options, rx, max_batch.max(1), &c))
-            .ok();
+            .spawn(move || {
+                let _flag = flag;
+                run(&model, &options, rx, max_batch.max(1), &c)
+            });
+        if let Err(e) = spawned {
+            tracing::error!(error = %e, "the engine thread could not start");
+            running.store(false, Ordering::SeqCst);
+        }
         Self {
             jobs,
             counters,
             capacity,
             max_batch,
+            running,
         }
+    }
+
+    /// Whether the engine thread is alive (Health reports a dead one, so that the
+    /// supervisor restarts the worker).
+    pub fn is_running(&self) -> bool {
+        self.running.load(Ordering::SeqCst)
     }
 
     /// Queues a generation; its events arrive on the returned channel. Dropping the receiver
@@ -108,8 +141,11 @@ impl Scheduler {
         request: GenerateRequest,
         prefix: Option<Prepared>,
         span: tracing::Span,
-    ) -> Result<mpsc::Receiver<JobEvent>, SubmitError> {
-        let (events, rx) = mpsc::channel(EVENTS_PER_JOB);
+    ) -> Result<mpsc::UnboundedReceiver<JobEvent>, SubmitError> {
+        if !self.is_running() {
+            return Err(SubmitError::Stopped);
+        }
+        let (events, rx) = mpsc::unbounded_channel();
         let job = Job {
             request,
             prefix,
@@ -135,7 +171,7 @@ impl Scheduler {
 /// A sequence in the running batch, with where its events and finished blocks go.
 struct Active {
     seq: Sequence,
-    events: mpsc::Sender<JobEvent>,
+    events: mpsc::UnboundedSender<JobEvent>,
     sink: Option<BlockSinkFn>,
     queued: Duration,
     failed: Option<EngineError>,
@@ -170,10 +206,17 @@ fn run(
         }
         c.running.store(active.len(), Ordering::Relaxed);
 
+        // A client that left ends its sequence here, before another chunk is computed for it.
+        for a in active.iter_mut() {
+            if a.events.is_closed() && !a.seq.is_finished() {
+                a.seq.cancel();
+            }
+        }
+
         // One prefill chunk: the sequence with the least prompt left goes first.
         if let Some(a) = active
             .iter_mut()
-            .filter(|a| a.failed.is_none() && a.seq.needs_prefill())
+            .filter(|a| a.failed.is_none() && !a.seq.is_finished() && a.seq.needs_prefill())
             .min_by_key(|a| a.seq.prefill_left())
         {
             let prefill_span = a
@@ -195,9 +238,8 @@ fn run(
                         a.prefill_span = None;
                         a.decode_span = Some(tracing::info_span!(parent: &a.span, "decode"));
                         let events = a.events.clone();
-                        let mut emit = |e: &TokenEvent| {
-                            events.blocking_send(JobEvent::Token(e.clone())).is_ok()
-                        };
+                        let mut emit =
+                            |e: &TokenEvent| events.send(JobEvent::Token(e.clone())).is_ok();
                         if let Err(e) = a.seq.advance(model, &logits, &mut emit) {
                             a.failed = Some(e);
                         }
@@ -208,29 +250,36 @@ fn run(
         }
 
         // One decode step for everyone with a token to feed (batch index -> its events).
-        let senders: Vec<mpsc::Sender<JobEvent>> = active
-            .iter()
-            .filter(|a| a.failed.is_none())
-            .map(|a| a.events.clone())
+        let in_step: Vec<usize> = (0..active.len())
+            .filter(|&i| active[i].failed.is_none() && active[i].seq.wants_decode())
             .collect();
+        let senders: Vec<mpsc::UnboundedSender<JobEvent>> =
+            in_step.iter().map(|&i| active[i].events.clone()).collect();
         let mut batch: Vec<&mut Sequence> = active
             .iter_mut()
-            .filter(|a| a.failed.is_none())
-            .map(|a| &mut a.seq)
+            .enumerate()
+            .filter(|(i, _)| in_step.contains(i))
+            .map(|(_, a)| &mut a.seq)
             .collect();
         let stepped = decode_step(model, &mut batch, &mut |i, e| {
-            senders[i].blocking_send(JobEvent::Token(e.clone())).is_ok()
+            senders[i].send(JobEvent::Token(e.clone())).is_ok()
         });
+        drop(batch);
         match stepped {
-            Ok(0) => {}
-            Ok(n) => {
-                let mut h = c.decode_batches.lock().unwrap_or_else(|p| p.into_inner());
-                *h.entry(n as u32).or_default() += 1;
+            Ok(stepped) => {
+                if stepped.ran > 0 {
+                    let mut h = c.decode_batches.lock().unwrap_or_else(|p| p.into_inner());
+                    *h.entry(stepped.ran as u32).or_default() += 1;
+                }
+                for (i, e) in stepped.failed {
+                    tracing::warn!(error = %e, "a sequence failed in a decode step; the others go on");
+                    active[in_step[i]].failed = Some(e);
+                }
             }
             Err(e) => {
                 tracing::warn!(error = %e, "decode step failed; failing its sequences");
-                for a in active.iter_mut().filter(|a| a.seq.wants_decode()) {
-                    a.failed = Some(EngineError::Mlx(e.to_string()));
+                for &i in &in_step {
+                    active[i].failed = Some(EngineError::Mlx(e.to_string()));
                 }
             }
         }
@@ -295,7 +344,7 @@ fn admit(
         }),
         Err(e) => {
             c.failed.fetch_add(1, Ordering::Relaxed);
-            let _ = job.events.blocking_send(JobEvent::Done {
+            let _ = job.events.send(JobEvent::Done {
                 result: Err(e),
                 queued,
             });
@@ -320,6 +369,9 @@ fn retire(mut a: Active, c: &Counters) {
     };
     match &result {
         Ok(g) => {
+            if g.finish == crate::engine::generate::FinishReason::Cancelled {
+                c.cancelled.fetch_add(1, Ordering::Relaxed);
+            }
             if let Some(s) = &g.speculation {
                 c.drafted.fetch_add(s.drafted as u64, Ordering::Relaxed);
                 c.accepted.fetch_add(s.accepted as u64, Ordering::Relaxed);
@@ -338,8 +390,26 @@ fn retire(mut a: Active, c: &Counters) {
             c.failed.fetch_add(1, Ordering::Relaxed);
         }
     }
-    let _ = a.events.blocking_send(JobEvent::Done {
+    let _ = a.events.send(JobEvent::Done {
         result,
         queued: a.queued,
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_running_flag_falls_when_the_engine_thread_panics() {
+        let running = Arc::new(AtomicBool::new(true));
+        let flag = RunningFlag(running.clone());
+        let joined = std::thread::spawn(move || {
+            let _flag = flag;
+            panic!("an engine bug");
+        })
+        .join();
+        assert!(joined.is_err());
+        assert!(!running.load(Ordering::SeqCst));
+    }
 }

@@ -132,6 +132,10 @@ pub struct EngineOptions {
     pub kv_step_tokens: usize,
     /// Also store blocks of generated tokens (opt-in; see `Sequence::finish_blocks`).
     pub store_decode_kv: bool,
+    /// The prompt's last token runs in a pass of its own, so that a warm run whose whole body
+    /// is cached repeats a cold run's chunks exactly (`cache.exact`). Otherwise it joins the
+    /// last chunk of the body: one pass over the weights fewer for every prompt.
+    pub last_token_alone: bool,
 }
 
 impl Default for EngineOptions {
@@ -140,6 +144,7 @@ impl Default for EngineOptions {
             prefill_chunk_tokens: DEFAULT_PREFILL_CHUNK_TOKENS,
             kv_step_tokens: 256,
             store_decode_kv: false,
+            last_token_alone: true,
         }
     }
 }
@@ -256,7 +261,10 @@ impl LoadedModel {
             .ok_or_else(|| EngineError::InvalidRequest("nothing to prefill".into()))?;
         seq.advance(self, &logits, &mut on_token)?;
         while !seq.is_finished() {
-            decode_step(self, &mut [&mut seq], &mut |_, e| on_token(e))?;
+            let stepped = decode_step(self, &mut [&mut seq], &mut |_, e| on_token(e))?;
+            if let Some((_, e)) = stepped.failed.into_iter().next() {
+                return Err(e);
+            }
         }
         seq.finish_blocks(
             on_block

@@ -50,6 +50,8 @@ pub struct Sequence {
     image_features: Option<Array>,
     chunk: usize,
     block: usize,
+    /// See `EngineOptions::last_token_alone`.
+    last_token_alone: bool,
     pub cache: KvCache,
     prefilled: usize,
     cached_tokens: usize,
@@ -86,7 +88,7 @@ pub struct Sequence {
 impl Sequence {
     /// Validates the request and imports cached KV for the start of the prompt: whole blocks,
     /// then maybe a partial one. KV that does not fit is dropped and the prompt computed. The
-    /// last prompt token is never imported: it is computed alone, for the first token's
+    /// last prompt token is never imported: it is computed, for the first token's
     /// logits, in cold and warm runs alike (see `prefill_step`).
     pub fn new(
         model: &LoadedModel,
@@ -175,6 +177,7 @@ impl Sequence {
             decoder: StreamDecoder::new(true),
             chunk: model.prefill_chunk(options),
             block,
+            last_token_alone: options.last_token_alone,
             cache,
             prefilled: imported,
             cached_tokens: imported,
@@ -218,14 +221,22 @@ impl Sequence {
         self.finish.is_some()
     }
 
+    /// Ends the sequence where it is: its client has gone.
+    pub fn cancel(&mut self) {
+        self.finish.get_or_insert(FinishReason::Cancelled);
+        self.has_pending = false;
+    }
+
     /// Runs the next prefill chunk and hands finished prompt blocks to `on_block`.
     ///
     /// Chunk ends depend only on absolute positions, never on what was cached: the multiples
     /// of the chunk size, the request's `prefill_breaks`, the end of the prompt's body (all but
     /// the last token) and the end. MLX's results for a row depend on the shape of the
     /// matmul it is part of, so this is what makes a warm run repeat a cold run's arithmetic
-    /// bit for bit. The last token always runs alone, so that a prompt whose body is fully
-    /// cached, partial tail included, computes just one token before its first output.
+    /// bit for bit. With `last_token_alone` (`cache.exact`) the last token runs alone, so
+    /// that a prompt whose body is fully cached, partial tail included, still repeats the
+    /// cold run; otherwise it joins the body's last chunk (a hit is then equal to a cold run
+    /// within rounding, and saves a pass over the weights).
     pub fn prefill_step(&mut self, model: &LoadedModel, on_block: BlockSink<'_>) -> Result<()> {
         if self.prune.is_some() || self.kept.is_some() {
             return self.pruned_prefill_step(model);
@@ -243,7 +254,12 @@ impl Sequence {
                 .filter(|&b| b > at)
                 .min()
                 .unwrap_or(usize::MAX);
-            next_chunk.min(next_break).min(body)
+            let end = next_chunk.min(next_break).min(body);
+            if end == body && !self.last_token_alone {
+                len
+            } else {
+                end
+            }
         } else {
             len
         };
@@ -283,7 +299,7 @@ impl Sequence {
             }
             // The body's partial tail, unless it came from the cache whole.
             let tail_start = body / b * b;
-            if end == body && body > tail_start && self.cached_tokens < body {
+            if end >= body && at < body && body > tail_start && self.cached_tokens < body {
                 sink(FinishedBlock {
                     index: body / b,
                     tokens: self.cache_tokens[tail_start..body].to_vec(),
@@ -662,24 +678,36 @@ fn grammar_failed(e: crate::grammar::GrammarError) -> EngineError {
     EngineError::InvalidRequest(e.to_string())
 }
 
+/// What a decode step did: how many sequences ran together in it, and the errors of those
+/// whose own part failed (their index in the batch), the others having gone on.
+#[derive(Debug, Default)]
+pub struct Stepped {
+    pub ran: usize,
+    pub failed: Vec<(usize, EngineError)>,
+}
+
 /// One decode step for every sequence in `batch` that has a token to feed, in one forward
-/// pass; each then samples from its own row. Returns how many sequences ran together.
+/// pass; each then samples from its own row. A failed pass is an error (for every sequence
+/// in it); a sequence whose sampling fails is listed in `Stepped::failed` alone.
 pub fn decode_step(
     model: &LoadedModel,
     batch: &mut [&mut Sequence],
     emit: &mut dyn FnMut(usize, &TokenEvent) -> bool,
-) -> Result<usize> {
+) -> Result<Stepped> {
     let ready: Vec<usize> = (0..batch.len())
         .filter(|&i| batch[i].wants_decode())
         .collect();
     if ready.is_empty() {
-        return Ok(0);
+        return Ok(Stepped::default());
     }
     if let [only] = ready[..]
         && batch[only].speculates()
     {
         batch[only].speculate(model, &mut |e| emit(only, e))?;
-        return Ok(1);
+        return Ok(Stepped {
+            ran: 1,
+            failed: Vec::new(),
+        });
     }
     for &i in &ready {
         if let Some(spec) = batch[i].spec.as_mut() {
@@ -702,11 +730,16 @@ pub fn decode_step(
         out.as_slice::<f32>().to_vec()
     };
     let vocab = logits.len() / ready.len();
+    let mut failed = Vec::new();
     for (row, &i) in ready.iter().enumerate() {
         let seq = &mut *batch[i];
-        seq.advance(model, &logits[row * vocab..(row + 1) * vocab], &mut |e| {
-            emit(i, e)
-        })?;
+        let row = &logits[row * vocab..(row + 1) * vocab];
+        if let Err(e) = seq.advance(model, row, &mut |e| emit(i, e)) {
+            failed.push((i, e));
+        }
     }
-    Ok(ready.len())
+    Ok(Stepped {
+        ran: ready.len(),
+        failed,
+    })
 }

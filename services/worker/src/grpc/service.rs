@@ -361,6 +361,14 @@ impl Worker for WorkerService {
         &self,
         _req: Request<HealthRequest>,
     ) -> Result<Response<HealthResponse>, Status> {
+        // A dead engine thread cannot serve anything: unhealthy, so the supervisor restarts us.
+        if let Ok(serving) = self.serving()
+            && !serving.scheduler.is_running()
+        {
+            return Err(Status::unavailable(
+                "the engine thread has stopped; this worker cannot generate until it restarts",
+            ));
+        }
         Ok(Response::new(HealthResponse {
             status: "serving".into(),
             version: env!("CARGO_PKG_VERSION").into(),
