@@ -143,6 +143,11 @@ def test_an_idle_model_is_unloaded_after_its_ttl(oai, cluster):
     while states(oai)["ttl"] != "unloaded" and time.monotonic() < deadline:
         time.sleep(0.2)
     assert states(oai)["ttl"] == "unloaded"
+    # The model reads as unloaded once its worker was told to stop; the process then exits
+    # within the stop grace (SIGTERM, then SIGKILL).
+    deadline = time.monotonic() + 15
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert not alive(pid)
     # And it comes back on the next request.
     r = oai.embeddings.create(model="ttl", input="hello again", encoding_format="float")
