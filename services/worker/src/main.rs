@@ -547,6 +547,9 @@ fn default_model_id(path: &std::path::Path) -> String {
         .unwrap_or_else(|| "model".into())
 }
 
+/// MLX's buffer cache on the CPU (see `serving`).
+const CPU_MLX_CACHE_LIMIT: u64 = 128 << 20;
+
 /// Puts a loaded model behind the engine thread.
 fn serving(
     id: String,
@@ -557,8 +560,16 @@ fn serving(
     budget: u64,
     l0_bytes: u64,
 ) -> Serving {
-    // MLX keeps freed buffers for reuse; bound that cache so it cannot eat the budget.
-    let cache_limit = (budget / 8).min(1 << 30);
+    // MLX keeps freed buffers for reuse; bound that cache so it cannot eat the budget. On the
+    // CPU its buffers are plain malloc blocks that glibc keeps mapped anyway
+    // (`keep_freed_memory_mapped`), so a large cache only holds memory: SmolLM2 with a 4K
+    // prompt and warm turns peaked at 2.56 GB with 1 GiB, 1.52 GB with 128 MiB and 1.41 GB
+    // with none, at the same speed (cold 21-27 s, warm 0.23-0.36 s, noise of one run each).
+    let cache_limit = if mlx_device::default_device_kind() == "cpu" {
+        CPU_MLX_CACHE_LIMIT
+    } else {
+        (budget / 8).min(1 << 30)
+    };
     if let Err(e) = mlx_rs::memory::set_cache_limit(cache_limit as usize) {
         tracing::warn!(error = %e, "could not bound MLX's buffer cache");
     }
