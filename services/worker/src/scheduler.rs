@@ -84,13 +84,13 @@ pub struct Scheduler {
     pub max_batch: usize,
     /// False once the engine thread has ended (it returns only when every handle is gone, so
     /// while handles exist this means it panicked or never started).
-    running: Arc<AtomicBool>,
+    engine_alive: Arc<AtomicBool>,
 }
 
-/// Clears `running` when the engine thread ends, by return or by panic.
-struct RunningFlag(Arc<AtomicBool>);
+/// Clears `engine_alive` when the engine thread ends, by return or by panic.
+struct AliveFlag(Arc<AtomicBool>);
 
-impl Drop for RunningFlag {
+impl Drop for AliveFlag {
     fn drop(&mut self) {
         self.0.store(false, Ordering::SeqCst);
     }
@@ -107,8 +107,8 @@ impl Scheduler {
         let (jobs, rx) = sync_channel::<Job>(capacity);
         let counters = Arc::new(Counters::default());
         let c = counters.clone();
-        let running = Arc::new(AtomicBool::new(true));
-        let flag = RunningFlag(running.clone());
+        let engine_alive = Arc::new(AtomicBool::new(true));
+        let flag = AliveFlag(engine_alive.clone());
         let spawned = std::thread::Builder::new()
             .name("engine".into())
             .spawn(move || {
@@ -117,21 +117,21 @@ impl Scheduler {
             });
         if let Err(e) = spawned {
             tracing::error!(error = %e, "the engine thread could not start");
-            running.store(false, Ordering::SeqCst);
+            engine_alive.store(false, Ordering::SeqCst);
         }
         Self {
             jobs,
             counters,
             capacity,
             max_batch,
-            running,
+            engine_alive,
         }
     }
 
     /// Whether the engine thread is alive (Health reports a dead one, so that the
     /// supervisor restarts the worker).
     pub fn is_running(&self) -> bool {
-        self.running.load(Ordering::SeqCst)
+        self.engine_alive.load(Ordering::SeqCst)
     }
 
     /// Queues a generation; its events arrive on the returned channel. Dropping the receiver
@@ -401,15 +401,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_running_flag_falls_when_the_engine_thread_panics() {
-        let running = Arc::new(AtomicBool::new(true));
-        let flag = RunningFlag(running.clone());
+    fn the_alive_flag_falls_when_the_engine_thread_panics() {
+        let engine_alive = Arc::new(AtomicBool::new(true));
+        let flag = AliveFlag(engine_alive.clone());
         let joined = std::thread::spawn(move || {
             let _flag = flag;
             panic!("an engine bug");
         })
         .join();
         assert!(joined.is_err());
-        assert!(!running.load(Ordering::SeqCst));
+        assert!(!engine_alive.load(Ordering::SeqCst));
     }
 }

@@ -91,7 +91,7 @@ fn attention_bounded(
             .collect::<Result<Vec<_>>>()?;
         mlx_rs::transforms::eval(scores.iter().map(|(s, _)| s))?;
         for (&(n, _, len), (scores, visible)) in batch.iter().zip(&scores) {
-            let weights = causal_softmax(scores, visible, len)?;
+            let weights = causal_softmax(scores, *visible, len)?;
             outputs[n].push(piece_output(&inputs[n], &weights, len)?);
         }
         start = end;
@@ -162,8 +162,7 @@ fn visible_rows(a: &Array, visible: usize) -> Result<Array> {
 /// Softmax of each row of `scores` (`[1, kv_heads, group * len, visible]`, evaluated) over the
 /// positions its query sees: row r is query r % len, the (len - 1 - r % len)-th from the end,
 /// which sees all but that many of the last positions. Masked positions get weight 0.
-fn causal_softmax(scores: &Array, visible: &usize, len: usize) -> Result<Array> {
-    let cols = *visible;
+fn causal_softmax(scores: &Array, cols: usize, len: usize) -> Result<Array> {
     let data = scores
         .try_as_slice::<f32>()
         .map_err(|e| EngineError::Mlx(format!("reading attention scores: {e}")))?;
