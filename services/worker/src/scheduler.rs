@@ -78,13 +78,35 @@ pub enum SubmitError {
 /// A cheap handle to the engine thread.
 #[derive(Clone)]
 pub struct Scheduler {
-    jobs: SyncSender<Job>,
+    engine: Arc<EngineThread>,
     pub counters: Arc<Counters>,
     pub capacity: usize,
     pub max_batch: usize,
     /// False once the engine thread has ended (it returns only when every handle is gone, so
     /// while handles exist this means it panicked or never started).
     engine_alive: Arc<AtomicBool>,
+}
+
+/// The engine thread's queue and its join handle, shared by every handle. The last handle to
+/// go closes the queue and waits for the thread to end: MLX's arrays are freed on that thread,
+/// and a process that exits while it still runs frees them under MLX's static destructors
+/// (seen as heap corruption at the end of a test binary).
+struct EngineThread {
+    jobs: Option<SyncSender<Job>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for EngineThread {
+    fn drop(&mut self) {
+        drop(self.jobs.take());
+        if let Some(thread) = self.thread.take() {
+            // A handle dropped on the engine thread itself cannot wait for it.
+            if thread.thread().id() != std::thread::current().id() {
+                // A panic there was already reported by the panic hook; only the wait matters.
+                let _ = thread.join();
+            }
+        }
+    }
 }
 
 /// Clears `engine_alive` when the engine thread ends, by return or by panic.
@@ -115,12 +137,19 @@ impl Scheduler {
                 let _flag = flag;
                 run(&model, &options, rx, max_batch.max(1), &c)
             });
-        if let Err(e) = spawned {
-            tracing::error!(error = %e, "the engine thread could not start");
-            engine_alive.store(false, Ordering::SeqCst);
-        }
+        let thread = match spawned {
+            Ok(thread) => Some(thread),
+            Err(e) => {
+                tracing::error!(error = %e, "the engine thread could not start");
+                engine_alive.store(false, Ordering::SeqCst);
+                None
+            }
+        };
         Self {
-            jobs,
+            engine: Arc::new(EngineThread {
+                jobs: Some(jobs),
+                thread,
+            }),
             counters,
             capacity,
             max_batch,
@@ -154,8 +183,11 @@ impl Scheduler {
             queue_span: tracing::info_span!(parent: &span, "queue"),
             span,
         };
+        let Some(jobs) = self.engine.jobs.as_ref() else {
+            return Err(SubmitError::Stopped);
+        };
         self.counters.queued.fetch_add(1, Ordering::Relaxed);
-        match self.jobs.try_send(job) {
+        match jobs.try_send(job) {
             Ok(()) => Ok(rx),
             Err(e) => {
                 self.counters.queued.fetch_sub(1, Ordering::Relaxed);
