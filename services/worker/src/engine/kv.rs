@@ -175,6 +175,13 @@ impl KvCache {
         ))
     }
 
+    /// The whole key and value buffers of `layer` (`[1, kv_heads, capacity, dim]`, pending
+    /// writes included), for kernels that read the cache in place.
+    pub fn layer_buffers(&self, layer: usize) -> Option<(&Array, &Array)> {
+        let kv = self.layers.get(layer)?.as_ref()?;
+        Some((&kv.keys, &kv.values))
+    }
+
     /// Marks `t` appended tokens as held (after every layer got them).
     pub fn advance(&mut self, t: usize) {
         self.len += t;

@@ -134,6 +134,11 @@ fn attention_weights(q: &Array, keys: &Array, held: i32, scale: f32) -> Result<A
     Ok(weights.mean_axes(&[0, 1, 2], false)?)
 }
 
+fn read(a: &Array) -> Result<&[f32]> {
+    a.try_as_slice::<f32>()
+        .map_err(|e| EngineError::Mlx(format!("reading attention inputs: {e}")))
+}
+
 /// One sequence's part of a ragged batch: its new tokens and its cache.
 pub struct SeqChunk<'a> {
     pub tokens: &'a [u32],
@@ -323,11 +328,13 @@ impl Model {
         let (h, hk, hd) = (c.num_heads as i32, c.num_kv_heads as i32, c.head_dim as i32);
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         let mut attention: Option<Array> = None;
+        // A decode step or a short chunk: products by the few-rows CPU kernel (`strata_cpu_kernels::matmul`).
+        let few = self.cpu_attention && at as usize <= strata_cpu_kernels::matmul::MAX_ROWS;
         for (li, layer) in self.layers.iter().enumerate() {
             let normed = fast::rms_norm(&x, Some(&layer.attn_norm), c.rms_norm_eps)?;
-            let q = layer.q.forward(&normed)?;
-            let k = layer.k.forward(&normed)?;
-            let v = layer.v.forward(&normed)?;
+            let q = layer.q.forward_on(&normed, few)?;
+            let k = layer.k.forward_on(&normed, few)?;
+            let v = layer.v.forward_on(&normed, few)?;
             // Each sequence's queries (RoPE applied) and everything its cache holds.
             let mut inputs = Vec::with_capacity(batch.len());
             for (seq, &(start, end)) in batch.iter_mut().zip(&ranges) {
@@ -362,6 +369,17 @@ impl Model {
                 }
                 inputs.push((q, keys, values));
             }
+            let few_queries = self.cpu_attention
+                && inputs.iter().all(|(q, keys, _)| {
+                    q.shape()[2] as usize <= strata_cpu_kernels::attention::FEW_QUERIES
+                        && cpu_attention::applies(q, keys)
+                });
+            if few_queries {
+                let attn = self.few_queries_attention(batch, li, &inputs, scale)?;
+                x = x.add(layer.o.forward_on(&attn, few)?)?;
+                x = self.mlp(layer, &x, few)?;
+                continue;
+            }
             let ours = self.cpu_attention
                 && inputs
                     .iter()
@@ -394,11 +412,8 @@ impl Model {
             } else {
                 concatenate(&outputs, 0)?
             };
-            x = x.add(layer.o.forward(&attn)?)?;
-            let normed = fast::rms_norm(&x, Some(&layer.mlp_norm), c.rms_norm_eps)?;
-            let gate = mlx_rs::nn::silu(layer.gate.forward(&normed)?)?;
-            let up = layer.up.forward(&normed)?;
-            x = x.add(layer.down.forward(&gate.multiply(&up)?)?)?;
+            x = x.add(layer.o.forward_on(&attn, few)?)?;
+            x = self.mlp(layer, &x, few)?;
         }
         for (seq, &(start, end)) in batch.iter_mut().zip(&ranges) {
             seq.cache.advance((end - start) as usize);
@@ -415,8 +430,79 @@ impl Model {
             x.take_axis(&last, 0)?
         };
         let x = fast::rms_norm(&x, Some(&self.final_norm), c.rms_norm_eps)?;
-        let logits = self.head.as_ref().unwrap_or(&self.embed).apply(&x)?;
+        let head = self.head.as_ref().unwrap_or(&self.embed);
+        // One row per sequence (unless all positions are wanted): the few-rows kernel on a
+        // CPU whatever the chunk's length.
+        let few_head = if self.cpu_attention {
+            head.apply_few_rows(&x)?
+        } else {
+            None
+        };
+        let logits = match few_head {
+            Some(logits) => logits,
+            None => head.apply(&x)?,
+        };
         Ok(logits.as_dtype(Dtype::Float32)?)
+    }
+
+    /// The residual stream after the layer's MLP.
+    fn mlp(&self, layer: &Layer, x: &Array, few: bool) -> Result<Array> {
+        let normed = fast::rms_norm(x, Some(&layer.mlp_norm), self.config.rms_norm_eps)?;
+        let gate = mlx_rs::nn::silu(layer.gate.forward_on(&normed, few)?)?;
+        let up = layer.up.forward_on(&normed, few)?;
+        Ok(x.add(layer.down.forward_on(&gate.multiply(&up)?, few)?)?)
+    }
+
+    /// Attention of layer `li` for sequences of a few new queries each, read from their caches
+    /// in place (`strata_cpu_kernels::attention::few_queries`): `[tokens, heads * dim]` in batch order.
+    fn few_queries_attention(
+        &self,
+        batch: &[SeqChunk<'_>],
+        li: usize,
+        inputs: &[(Array, Array, Array)],
+        scale: f32,
+    ) -> Result<Array> {
+        let c = &self.config;
+        let mut buffers = Vec::with_capacity(batch.len());
+        for seq in batch {
+            buffers.push(
+                seq.cache
+                    .layer_buffers(li)
+                    .ok_or_else(|| EngineError::Mlx("no KV buffers after an append".into()))?,
+            );
+        }
+        // One evaluation for the whole batch: queries and the cache writes of this step.
+        mlx_rs::transforms::eval(
+            inputs
+                .iter()
+                .map(|(q, _, _)| q)
+                .chain(buffers.iter().flat_map(|(k, v)| [*k, *v])),
+        )?;
+        let mut outputs = Vec::with_capacity(batch.len());
+        for ((q, keys, _), (kb, vb)) in inputs.iter().zip(&buffers) {
+            let t = q.shape()[2] as usize;
+            let cache = strata_cpu_kernels::attention::CacheBuffers {
+                keys: read(kb)?,
+                values: read(vb)?,
+                kv_heads: c.num_kv_heads,
+                capacity: kb.shape()[2] as usize,
+                dim: c.head_dim,
+                visible: keys.shape()[2] as usize,
+            };
+            let out =
+                strata_cpu_kernels::attention::few_queries(read(q)?, c.num_heads, t, cache, scale);
+            outputs.push(Array::from_slice(
+                &out,
+                &[t as i32, (c.num_heads * c.head_dim) as i32],
+            ));
+        }
+        Ok(if outputs.len() == 1 {
+            outputs
+                .pop()
+                .ok_or_else(|| EngineError::Mlx("no output".into()))?
+        } else {
+            concatenate(&outputs, 0)?
+        })
     }
 
     /// RoPE over `[1, heads, t, dim]` whose tokens sit at `runs` of positions (one run unless

@@ -163,6 +163,33 @@ impl Matrix {
         })
     }
 
+    /// `x @ W.T` by the few-rows CPU kernel (`strata_cpu_kernels::matmul`), when it applies: dense f32
+    /// weights, an evaluated f32 `x` of `[rows, k]` with at most `strata_cpu_kernels::matmul::MAX_ROWS` rows.
+    /// `x` is evaluated here (the kernel reads its memory). None: use `apply`.
+    pub fn apply_few_rows(&self, x: &Array) -> Result<Option<Array>> {
+        let Matrix::Dense(w) = self else {
+            return Ok(None);
+        };
+        let (xs, ws) = (x.shape(), w.shape());
+        if xs.len() != 2
+            || ws.len() != 2
+            || xs[0] as usize > strata_cpu_kernels::matmul::MAX_ROWS
+            || xs[1] != ws[1]
+            || x.dtype() != Dtype::Float32
+            || w.dtype() != Dtype::Float32
+        {
+            return Ok(None);
+        }
+        x.eval()?;
+        // Either may be a strided view (then MLX's product takes it).
+        let (Ok(xv), Ok(wv)) = (x.try_as_slice::<f32>(), w.try_as_slice::<f32>()) else {
+            return Ok(None);
+        };
+        let (rows, n, k) = (xs[0] as usize, ws[0] as usize, ws[1] as usize);
+        let out = strata_cpu_kernels::matmul::x_wt(xv, rows, wv, n, k);
+        Ok(Some(Array::from_slice(&out, &[xs[0], ws[0]])))
+    }
+
     /// Rows `ids` of the matrix (an embedding lookup), dense, in `dtype`.
     pub fn rows(&self, ids: &Array, dtype: Dtype) -> Result<Array> {
         Ok(match self {
@@ -196,7 +223,20 @@ impl Linear {
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        let y = self.matrix.apply(x)?;
+        self.forward_on(x, false)
+    }
+
+    /// `forward`, by the few-rows CPU kernel where it applies when `few_rows_kernel`.
+    pub fn forward_on(&self, x: &Array, few_rows_kernel: bool) -> Result<Array> {
+        let few = if few_rows_kernel {
+            self.matrix.apply_few_rows(x)?
+        } else {
+            None
+        };
+        let y = match few {
+            Some(y) => y,
+            None => self.matrix.apply(x)?,
+        };
         Ok(match &self.bias {
             Some(b) => y.add(b)?,
             None => y,

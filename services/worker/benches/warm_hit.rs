@@ -1,0 +1,86 @@
+//! The engine's part of a warm hit on SmolLM2-135M (f32 on CPU): importing a 4K-token prefix,
+//! computing a 13-token chunk after it (a new question) and one decode step at that context.
+//! `cargo bench -p strata-worker --bench warm_hit [-- ROUNDS]`; prints medians of the rounds.
+//! The 4K prefix is computed once at the start (about 20 s).
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use strata_worker::engine::DtypePolicy;
+use strata_worker::engine::llama::SeqChunk;
+use strata_worker::engine::loader;
+
+fn model_path() -> PathBuf {
+    let cache = std::env::var_os("STRATA_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/strata")))
+        .expect("STRATA_CACHE or HOME is set");
+    cache.join("models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn main() {
+    strata_worker::mlx_device::keep_freed_memory_mapped();
+    let rounds: u32 = std::env::args()
+        .skip(1)
+        .find_map(|a| a.parse().ok())
+        .unwrap_or(15);
+    let loaded = loader::open(&model_path(), DtypePolicy::F32, 256).expect("SmolLM2 loads");
+    let model = &loaded.model;
+    let prompt: Vec<u32> = (0..4096u32).map(|i| 100 + (i * 7919) % 40000).collect();
+    let mut cache = model.new_cache(256);
+    for chunk in prompt.chunks(256) {
+        let mut batch = [SeqChunk {
+            tokens: chunk,
+            cache: &mut cache,
+        }];
+        model
+            .forward(&mut batch)
+            .expect("prefill")
+            .eval()
+            .expect("eval");
+    }
+    let bytes = cache.export(0, 4096).expect("export");
+    let (mut imports, mut chunks, mut steps) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 0..rounds {
+        let t = Instant::now();
+        let mut c = model.new_cache(256);
+        c.import_all(&[(&bytes, 4096)]).expect("import");
+        imports.push(t.elapsed());
+        let question: Vec<u32> = (0..13).map(|i| 500 + i + round).collect();
+        let t = Instant::now();
+        let mut batch = [SeqChunk {
+            tokens: &question,
+            cache: &mut c,
+        }];
+        model
+            .forward(&mut batch)
+            .expect("chunk")
+            .eval()
+            .expect("eval");
+        chunks.push(t.elapsed());
+        let t = Instant::now();
+        let mut batch = [SeqChunk {
+            tokens: &[7],
+            cache: &mut c,
+        }];
+        model
+            .forward(&mut batch)
+            .expect("decode")
+            .eval()
+            .expect("eval");
+        steps.push(t.elapsed());
+    }
+    println!("| 4K prefix, median of {rounds} | import | 13-token chunk | decode step |");
+    println!("|---|---|---|---|");
+    println!(
+        "| SmolLM2-135M f32 | {:.1} ms | {:.1} ms | {:.1} ms |",
+        median(imports).as_secs_f64() * 1e3,
+        median(chunks).as_secs_f64() * 1e3,
+        median(steps).as_secs_f64() * 1e3
+    );
+}
