@@ -39,6 +39,15 @@ pub struct Config {
     /// Keys accepted on /v1 (as `Authorization: Bearer KEY` or `x-api-key: KEY`). Empty: open.
     #[serde(default)]
     pub api_keys: Vec<String>,
+    /// Host names, besides localhost and the bind address, that requests may be addressed to
+    /// (`*`: any). Others get 403: a page that re-points its own name at 127.0.0.1 (DNS
+    /// rebinding) cannot use the server.
+    #[serde(default)]
+    pub allowed_hosts: Vec<String>,
+    /// Browser origins (`https://chat.example.com`) whose pages may call the API, with CORS
+    /// (`*`: any). Loopback origins, the dashboard's among them, are always allowed.
+    #[serde(default)]
+    pub allowed_origins: Vec<String>,
     /// Token for /admin. When absent, one is generated and written to the run dir (0600).
     #[serde(default)]
     pub admin_token: Option<String>,
@@ -210,6 +219,8 @@ impl Default for Config {
         Self {
             bind: default_bind(),
             api_keys: Vec::new(),
+            allowed_hosts: Vec::new(),
+            allowed_origins: Vec::new(),
             admin_token: None,
             otlp_endpoint: None,
             tenant_by_api_key: false,

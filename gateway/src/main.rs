@@ -142,6 +142,22 @@ struct UpArgs {
     /// waits start at 500 ms and double [default: 30000].
     #[arg(long, env = "STRATA_RESTART_BACKOFF_MAX_MS")]
     restart_backoff_max_ms: Option<u64>,
+    /// A host name, besides localhost and the bind address, that requests may be addressed to
+    /// (repeatable; `*` for any). Others get 403, a guard against DNS rebinding.
+    #[arg(
+        long = "allow-host",
+        env = "STRATA_ALLOWED_HOSTS",
+        value_delimiter = ','
+    )]
+    allowed_hosts: Vec<String>,
+    /// A browser origin (e.g. https://chat.example.com) whose pages may call the API, with
+    /// CORS (repeatable; `*` for any). Pages of other origins get 403.
+    #[arg(
+        long = "allow-origin",
+        env = "STRATA_ALLOWED_ORIGINS",
+        value_delimiter = ','
+    )]
+    allowed_origins: Vec<String>,
     /// An API key /v1 accepts (repeatable); /v1 is open when none is configured.
     #[arg(long = "api-key", env = "STRATA_API_KEY")]
     api_keys: Vec<String>,
@@ -442,6 +458,12 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         config.bind = bind;
     }
     config.api_keys.extend(args.api_keys.iter().cloned());
+    config
+        .allowed_hosts
+        .extend(args.allowed_hosts.iter().cloned());
+    config
+        .allowed_origins
+        .extend(args.allowed_origins.iter().cloned());
     if config.models.is_empty() || args.model.is_some() {
         let path = args.model.clone().unwrap_or_else(default_model);
         anyhow::ensure!(
@@ -723,6 +745,11 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         max_body_bytes: config.max_body_bytes,
         tenant_by_api_key: config.tenant_by_api_key,
         images: Arc::new(image_policy),
+        browser: Arc::new(strata_gateway::http::guard::BrowserPolicy::new(
+            config.bind,
+            &config.allowed_hosts,
+            &config.allowed_origins,
+        )),
         started_unix: strata_gateway::http::generation::unix_now(),
     });
     let server = tokio::spawn(http::serve::serve(listener, app, shutdown_rx.clone()));

@@ -85,3 +85,19 @@ def test_the_chat_page_streams_an_answer(cluster, page):
     expect(answer).not_to_have_text("", timeout=60_000)
     expect(answer.locator(".meta")).to_contain_text("prompt tokens", timeout=60_000)
     assert page.locator("#error").inner_text() == ""
+
+
+XSS_NAME = '<img src=x onerror="window.__xss=1">'
+
+
+def test_model_names_are_shown_as_text_not_markup(bin_dir, default_model, tmp_path, page):
+    # A model name is the config author's, but it reaches the page: an alias holding markup
+    # once ran as script in /admin/chat.
+    with running_cluster(bin_dir, default_model, tmp_path, "--alias", XSS_NAME) as c:
+        page.goto(c.url + "/admin/chat")
+        expect(page.locator("#model option")).to_have_text([MODEL, XSS_NAME])
+        assert page.locator("#model img").count() == 0
+        assert page.evaluate("window.__xss") is None
+        page.goto(c.url + "/admin")
+        page.wait_for_timeout(1500)
+        assert page.evaluate("window.__xss") is None

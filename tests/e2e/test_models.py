@@ -66,7 +66,8 @@ def oai(cluster):
 def admin(cluster, path):
     token = (cluster.run_dir / "admin-token").read_text().strip()
     req = urllib.request.Request(cluster.url + path, data=b"{}", method="POST",
-                                 headers={"authorization": f"Bearer {token}"})
+                                 headers={"authorization": f"Bearer {token}",
+                                          "content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.load(r)
 

@@ -56,7 +56,8 @@ def restart_worker(cluster):
     old = cluster.worker()["pid"]
     token = (cluster.run_dir / "admin-token").read_text().strip()
     req = urllib.request.Request(cluster.url + f"/admin/api/workers/{MODEL}/restart", data=b"{}",
-                                 method="POST", headers={"authorization": f"Bearer {token}"})
+                                 method="POST", headers={"authorization": f"Bearer {token}",
+                                                        "content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as r:
         assert json.load(r)["restarting"] == f"worker-{MODEL}"
     deadline = time.monotonic() + 60

@@ -2,6 +2,7 @@
 tenant isolation of the cache by API key, and no secret in the logs (traces: test_traces.py).
 The cluster is configured from a strata.toml with two API keys, per-key cache namespaces and a
 configured admin token."""
+import http.client
 import json
 import os
 import stat
@@ -16,6 +17,7 @@ from test_api import config_cluster, pick_port
 KEY_A, KEY_B = "sk-tenant-a-5d1e0c", "sk-tenant-b-93b7aa"
 WRONG_KEY = "sk-wrong-key-41c2"
 ADMIN = "admin-secret-c0ffee-11"
+ALLOWED_ORIGIN = "https://chat.example.com"
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +30,7 @@ run_dir = "{tmp / 'run'}"
 api_keys = ["{KEY_A}", "{KEY_B}"]
 tenant_by_api_key = true
 admin_token = "{ADMIN}"
+allowed_origins = ["{ALLOWED_ORIGIN}"]
 
 [cache]
 dir = "{tmp / 'kv'}"
@@ -46,6 +49,8 @@ pinned = true
 
 def call(cluster, path, token=None, method="GET"):
     headers = {"authorization": f"Bearer {token}"} if token else {}
+    if method == "POST":
+        headers["content-type"] = "application/json"
     req = urllib.request.Request(cluster.url + path, method=method, headers=headers,
                                  data=b"{}" if method == "POST" else None)
     try:
@@ -110,3 +115,87 @@ def test_no_secret_reaches_the_logs(cluster):
     assert "/v1/chat/completions" in log and "/admin/api/workers" in log
     for secret in (KEY_A, KEY_B, WRONG_KEY, ADMIN):
         assert secret not in log, f"{secret} appears in the log"
+
+
+def raw(cluster, method, path, headers, body=None):
+    """(status, headers, parsed body) of one request with exactly these headers (Host too)."""
+    conn = http.client.HTTPConnection("127.0.0.1", cluster.port, timeout=60)
+    try:
+        conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+        for k, v in headers.items():
+            conn.putheader(k, v)
+        if body is not None:
+            conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders(body)
+        r = conn.getresponse()
+        data = r.read()
+        try:
+            parsed = json.loads(data) if data else None
+        except ValueError:
+            parsed = data.decode(errors="replace")
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, parsed
+    finally:
+        conn.close()
+
+
+def chat_body():
+    return json.dumps({"model": "m", "max_tokens": 2, "temperature": 0,
+                       "messages": [{"role": "user", "content": "Hi"}]}).encode()
+
+
+def test_requests_addressed_to_a_foreign_host_are_refused(cluster):
+    # DNS rebinding: a page of attacker.example re-points its name at 127.0.0.1; its requests
+    # then carry that name. Refused before any route, even with a valid key.
+    auth = {"authorization": f"Bearer {KEY_A}"}
+    for host in ("attacker.example", f"attacker.example:{cluster.port}", "localhost.evil.example"):
+        status, _, body = raw(cluster, "GET", "/v1/models", {"Host": host, **auth})
+        assert status == 403, (host, body)
+        assert body["error"]["type"] == "permission_error" and "allowed_hosts" in body["error"]["message"]
+    status, _, body = raw(cluster, "POST", "/v1/messages",
+                          {"Host": "attacker.example", "content-type": "application/json",
+                           "x-api-key": KEY_A}, b"{}")
+    assert status == 403 and body["type"] == "error", body
+    assert raw(cluster, "GET", "/admin", {"Host": "attacker.example"})[0] == 403
+    # Loopback names and addresses, the names clients are given, pass.
+    for host in (f"127.0.0.1:{cluster.port}", f"localhost:{cluster.port}", "localhost"):
+        status, _, body = raw(cluster, "GET", "/v1/models", {"Host": host, **auth})
+        assert status == 200, (host, body)
+
+
+def test_a_web_page_of_another_origin_cannot_use_the_api(cluster):
+    host = {"Host": f"127.0.0.1:{cluster.port}", "authorization": f"Bearer {KEY_A}"}
+    # What any page can send without a preflight: a text/plain POST. Refused with 415 (with
+    # or without an Origin), so it never generates.
+    for origin in ({}, {"Origin": "https://attacker.example"}):
+        status, _, body = raw(cluster, "POST", "/v1/chat/completions",
+                              {**host, **origin, "content-type": "text/plain"}, chat_body())
+        assert status in (403, 415), body
+        assert status == (403 if origin else 415), body
+    # A JSON request from a foreign page is refused by its Origin, preflight or not.
+    json_ct = {**host, "content-type": "application/json"}
+    for origin in ("https://attacker.example", "null", "http://chat.example.com"):
+        status, _, body = raw(cluster, "POST", "/v1/chat/completions",
+                              {**json_ct, "Origin": origin}, chat_body())
+        assert status == 403 and "allowed_origins" in body["error"]["message"], (origin, body)
+        status, headers, _ = raw(cluster, "OPTIONS", "/v1/chat/completions",
+                                 {**host, "Origin": origin,
+                                  "Access-Control-Request-Method": "POST"})
+        assert status == 403 and "access-control-allow-origin" not in headers, origin
+    # The dashboard's own origin (loopback) and a configured origin are served, with CORS.
+    for origin in (f"http://127.0.0.1:{cluster.port}", ALLOWED_ORIGIN):
+        status, headers, body = raw(cluster, "POST", "/v1/chat/completions",
+                                    {**json_ct, "Origin": origin}, chat_body())
+        assert status == 200, (origin, body)
+        assert headers["access-control-allow-origin"] == origin
+    status, headers, _ = raw(cluster, "OPTIONS", "/v1/chat/completions",
+                             {"Host": f"127.0.0.1:{cluster.port}", "Origin": ALLOWED_ORIGIN,
+                              "Access-Control-Request-Method": "POST",
+                              "Access-Control-Request-Headers": "authorization, content-type"})
+    assert status == 204
+    assert headers["access-control-allow-origin"] == ALLOWED_ORIGIN
+    assert "authorization" in headers["access-control-allow-headers"]
+    # Refusals are counted.
+    with urllib.request.urlopen(cluster.url + "/metrics", timeout=30) as r:
+        metrics = r.read().decode()
+    assert 'strata_http_refused_total{reason="403"}' in metrics
+    assert 'strata_http_refused_total{reason="415"}' in metrics

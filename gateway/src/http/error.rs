@@ -16,7 +16,11 @@ pub enum Flavor {
 pub enum ErrorKind {
     InvalidRequest,
     Authentication,
+    /// Refused for who sent it (a foreign Host or browser origin), whatever the key.
+    Forbidden,
     NotFound,
+    /// A body that is not declared JSON.
+    UnsupportedMediaType,
     TooLarge,
     /// This worker's queue is full: retry soon.
     RateLimited,
@@ -71,7 +75,9 @@ impl ApiError {
         match self.kind {
             ErrorKind::InvalidRequest => StatusCode::BAD_REQUEST,
             ErrorKind::Authentication => StatusCode::UNAUTHORIZED,
+            ErrorKind::Forbidden => StatusCode::FORBIDDEN,
             ErrorKind::NotFound => StatusCode::NOT_FOUND,
+            ErrorKind::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ErrorKind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorKind::RateLimited => StatusCode::TOO_MANY_REQUESTS,
             ErrorKind::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
@@ -82,10 +88,12 @@ impl ApiError {
 
     fn openai_type(&self) -> &'static str {
         match self.kind {
-            ErrorKind::InvalidRequest | ErrorKind::TooLarge | ErrorKind::NotFound => {
-                "invalid_request_error"
-            }
+            ErrorKind::InvalidRequest
+            | ErrorKind::TooLarge
+            | ErrorKind::NotFound
+            | ErrorKind::UnsupportedMediaType => "invalid_request_error",
             ErrorKind::Authentication => "authentication_error",
+            ErrorKind::Forbidden => "permission_error",
             ErrorKind::RateLimited => "rate_limit_error",
             ErrorKind::Overloaded | ErrorKind::Timeout | ErrorKind::Internal => "server_error",
         }
@@ -93,8 +101,9 @@ impl ApiError {
 
     fn anthropic_type(&self) -> &'static str {
         match self.kind {
-            ErrorKind::InvalidRequest => "invalid_request_error",
+            ErrorKind::InvalidRequest | ErrorKind::UnsupportedMediaType => "invalid_request_error",
             ErrorKind::Authentication => "authentication_error",
+            ErrorKind::Forbidden => "permission_error",
             ErrorKind::NotFound => "not_found_error",
             ErrorKind::TooLarge => "request_too_large",
             ErrorKind::RateLimited => "rate_limit_error",

@@ -6,6 +6,7 @@ pub mod anthropic;
 pub mod embeddings;
 pub mod error;
 pub mod generation;
+pub mod guard;
 pub mod images;
 pub mod metrics;
 pub mod openai;
@@ -46,6 +47,8 @@ pub struct AppState {
     pub tenant_by_api_key: bool,
     /// Where images for vision models may come from.
     pub images: Arc<images::ImagePolicy>,
+    /// Which hosts and browser origins may use the server.
+    pub browser: Arc<guard::BrowserPolicy>,
 }
 
 pub fn router(state: AppState) -> Router {
@@ -80,6 +83,11 @@ pub fn router(state: AppState) -> Router {
         .route_layer(middleware::from_fn(metrics::track))
         .route_layer(middleware::from_fn(traced))
         .fallback(not_found)
+        // Outermost: a foreign Host or origin, or a body not declared JSON, reaches no route.
+        .layer(middleware::from_fn_with_state(
+            state.browser.clone(),
+            guard::browser_guard,
+        ))
         .with_state(state)
 }
 
@@ -121,7 +129,7 @@ async fn traced(req: Request, next: Next) -> Response {
 }
 
 /// Anthropic's clients call /v1/messages…; everything else gets OpenAI's error shape.
-fn flavor_of(path: &str) -> Flavor {
+pub(crate) fn flavor_of(path: &str) -> Flavor {
     if path.starts_with("/v1/messages") {
         Flavor::Anthropic
     } else {
