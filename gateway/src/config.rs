@@ -279,6 +279,21 @@ impl Config {
 
     /// Ids and aliases are unique, models exist.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        // An empty key would let in every request that presents an empty one.
+        if self.api_keys.iter().any(|k| k.trim().is_empty()) {
+            return Err(ConfigError::Invalid(
+                "an API key is empty: every key must be a non-empty secret".into(),
+            ));
+        }
+        if self
+            .admin_token
+            .as_ref()
+            .is_some_and(|t| t.trim().is_empty())
+        {
+            return Err(ConfigError::Invalid(
+                "admin_token is empty: set a secret, or leave it out to have one generated".into(),
+            ));
+        }
         let mut names = std::collections::HashSet::new();
         for m in &self.models {
             if m.id.is_empty() {
@@ -411,5 +426,29 @@ mod tests {
         );
         config.models[0].kind = ModelKind::Vlm;
         config.validate().unwrap();
+    }
+
+    #[test]
+    fn empty_secrets_are_refused() {
+        let mut config = Config {
+            api_keys: vec!["sk-1".into(), " ".into()],
+            ..Config::default()
+        };
+        assert!(
+            config
+                .validate()
+                .unwrap_err()
+                .to_string()
+                .contains("API key is empty")
+        );
+        config.api_keys.clear();
+        config.admin_token = Some(String::new());
+        assert!(
+            config
+                .validate()
+                .unwrap_err()
+                .to_string()
+                .contains("admin_token is empty")
+        );
     }
 }

@@ -158,9 +158,13 @@ struct UpArgs {
         value_delimiter = ','
     )]
     allowed_origins: Vec<String>,
-    /// An API key /v1 accepts (repeatable); /v1 is open when none is configured.
+    /// An API key /v1 accepts (repeatable); /v1 is open when none is configured. A flag's
+    /// value is visible to other users in `ps`: prefer STRATA_API_KEY or --api-key-file.
     #[arg(long = "api-key", env = "STRATA_API_KEY")]
     api_keys: Vec<String>,
+    /// A file of API keys, one per line (blank lines and `#` comments skipped).
+    #[arg(long = "api-key-file", env = "STRATA_API_KEY_FILE")]
+    api_key_file: Option<PathBuf>,
     /// An embedding model (a BERT-family safetensors folder such as all-MiniLM-L6-v2) to
     /// serve next to the others, under its folder name (repeatable).
     #[arg(long = "embedding-model", env = "STRATA_EMBEDDING_MODEL")]
@@ -207,6 +211,8 @@ struct UpArgs {
 }
 
 fn main() -> anyhow::Result<()> {
+    // Sockets, tokens, block files: nothing this process writes is readable by other users.
+    strata_runtime::private::restrict_new_files();
     let cli = Cli::parse();
     let runtime = tokio::runtime::Runtime::new().context("start the tokio runtime")?;
     // Traces (for `up`): the flag, then the config file; the children get the endpoint in
@@ -458,6 +464,18 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         config.bind = bind;
     }
     config.api_keys.extend(args.api_keys.iter().cloned());
+    if let Some(path) = &args.api_key_file {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("read API keys from {}", path.display()))?;
+        let keys: Vec<String> = text
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty() && !l.starts_with('#'))
+            .map(str::to_string)
+            .collect();
+        anyhow::ensure!(!keys.is_empty(), "{} holds no API key", path.display());
+        config.api_keys.extend(keys);
+    }
     config
         .allowed_hosts
         .extend(args.allowed_hosts.iter().cloned());

@@ -5,14 +5,17 @@ configured admin token."""
 import http.client
 import json
 import os
+import pathlib
 import stat
+import subprocess
+import time
 import urllib.error
 import urllib.request
 
 import openai
 import pytest
 
-from test_api import config_cluster, pick_port
+from test_api import config_cluster, pick_port, running_cluster
 
 KEY_A, KEY_B = "sk-tenant-a-5d1e0c", "sk-tenant-b-93b7aa"
 WRONG_KEY = "sk-wrong-key-41c2"
@@ -103,6 +106,25 @@ def test_api_keys_are_checked_and_each_key_is_its_own_cache_namespace(cluster):
     other, b_answer = ask(KEY_B)
     assert other == 0 and b_answer == answer
     assert ask(KEY_B)[0] >= 256
+
+
+def test_block_files_and_every_directory_are_private_whatever_the_umask(cluster):
+    # The tenant test above stored blocks; the background writer puts them on disk. This
+    # pytest process (and so the cluster it started) runs under a umask that would leave
+    # files 0644.
+    kv = cluster.run_dir.parent / "kv"
+    deadline = time.monotonic() + 30
+    blocks = []
+    while time.monotonic() < deadline and not blocks:
+        blocks = [p for p in (kv / "blocks").rglob("*") if p.is_file()]
+        time.sleep(0.5)
+    assert blocks, "no block reached the disk tier"
+    entries = [kv, cluster.run_dir, *kv.rglob("*"), *cluster.run_dir.rglob("*")]
+    for p in entries:
+        mode = stat.S_IMODE(p.lstat().st_mode)
+        if p.is_symlink():
+            continue
+        assert mode == (0o700 if p.is_dir() else 0o600), (p, oct(mode))
 
 
 def test_no_secret_reaches_the_logs(cluster):
@@ -199,3 +221,23 @@ def test_a_web_page_of_another_origin_cannot_use_the_api(cluster):
         metrics = r.read().decode()
     assert 'strata_http_refused_total{reason="403"}' in metrics
     assert 'strata_http_refused_total{reason="415"}' in metrics
+
+
+def test_an_empty_api_key_is_refused_at_start(bin_dir, default_model, tmp_path):
+    config = tmp_path / "strata.toml"
+    config.write_text(f'bind = "127.0.0.1:{pick_port()}"\nrun_dir = "{tmp_path / "run"}"\n'
+                      f'api_keys = ["sk-real", ""]\n\n[[models]]\nid = "m"\npath = "{default_model}"\n')
+    done = subprocess.run([bin_dir / "strata", "up", "--config", str(config)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "API key is empty" in done.stderr + done.stdout
+
+
+def test_keys_can_come_from_a_file_out_of_sight_of_ps(bin_dir, default_model, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# one per line\nsk-from-file-7a1\n\n")
+    with running_cluster(bin_dir, default_model, tmp_path, "--api-key-file", str(keys)) as c:
+        assert call(c, "/v1/models")[0] == 401
+        assert call(c, "/v1/models", "sk-from-file-7a1")[0] == 200
+        cmdline = pathlib.Path(f"/proc/{c.proc.pid}/cmdline").read_bytes()
+        assert b"sk-from-file-7a1" not in cmdline

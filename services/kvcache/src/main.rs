@@ -82,6 +82,8 @@ const FLUSH_BOUND: Duration = Duration::from_secs(10);
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    // Sockets, tokens, block files: nothing this process writes is readable by other users.
+    strata_runtime::private::restrict_new_files();
     let cli = Cli::parse();
     let _traces = match &cli.command {
         Command::Serve { .. } => {

@@ -4,5 +4,6 @@
 pub mod logging;
 pub mod memory;
 pub mod model_kind;
+pub mod private;
 pub mod shutdown;
 pub mod uds;

@@ -194,6 +194,8 @@ impl DiskTier {
     ) -> Result<Self, DiskError> {
         let blocks = dir.join("blocks");
         fs::create_dir_all(&blocks).map_err(io(&blocks))?;
+        // Blocks hold prompts' token ids: a tree an older version left readable is tightened.
+        strata_runtime::private::tighten_tree(dir).map_err(io(dir))?;
         let index = open_index(&dir.join("index"))?;
         // Bookkeeping lives in its own tree: the default tree holds only block keys.
         let meta = index.open_tree("meta")?;
