@@ -54,9 +54,11 @@ pub struct Config {
     /// OTLP/gRPC endpoint for traces (e.g. http://127.0.0.1:4317); off when absent.
     #[serde(default)]
     pub otlp_endpoint: Option<String>,
-    /// Give each API key its own cache namespace, so tenants never share KV blocks.
+    /// Give each API key its own cache namespace, so tenants never share KV blocks (nor learn
+    /// through `cached_tokens` what another sent). Default: on when API keys are configured;
+    /// `false` shares the cache between keys.
     #[serde(default)]
-    pub tenant_by_api_key: bool,
+    pub tenant_by_api_key: Option<bool>,
     #[serde(default = "default_request_timeout")]
     pub request_timeout_secs: u64,
     /// Largest request body accepted, in bytes.
@@ -223,7 +225,7 @@ impl Default for Config {
             allowed_origins: Vec::new(),
             admin_token: None,
             otlp_endpoint: None,
-            tenant_by_api_key: false,
+            tenant_by_api_key: None,
             request_timeout_secs: default_request_timeout(),
             max_body_bytes: default_max_body(),
             run_dir: None,

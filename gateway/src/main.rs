@@ -750,6 +750,16 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
     let image_policy =
         http::images::ImagePolicy::new(&config.image_dirs, config.allow_remote_images)
             .context("an image folder (--image-dir, image_dirs)")?;
+    // Tenants by API key (default with keys): their salts are keyed with a secret kept beside
+    // the blocks, so that namespaces stay the same across restarts.
+    let tenant_salt_key = if config
+        .tenant_by_api_key
+        .unwrap_or(!config.api_keys.is_empty())
+    {
+        Some(Arc::new(tenant_secret(&kv_dir)?))
+    } else {
+        None
+    };
     let app = http::router(AppState {
         kvcache: kvcache_state,
         registry: registry.clone(),
@@ -761,7 +771,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         },
         request_timeout: Duration::from_secs(config.request_timeout_secs),
         max_body_bytes: config.max_body_bytes,
-        tenant_by_api_key: config.tenant_by_api_key,
+        tenant_salt_key,
         images: Arc::new(image_policy),
         browser: Arc::new(strata_gateway::http::guard::BrowserPolicy::new(
             config.bind,
@@ -856,6 +866,39 @@ async fn report_progress(children: Vec<watch::Receiver<ChildState>>) {
 
 /// The admin token: from the config, or a new random one; written to RUN_DIR/admin-token
 /// (0600) so that the CLI on this machine can read it.
+/// The secret tenant salts are keyed with: 32 random bytes in `kv_dir/tenant-secret` (0600),
+/// made on first use.
+fn tenant_secret(kv_dir: &Path) -> anyhow::Result<[u8; 32]> {
+    use std::io::{Read, Write};
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = kv_dir.join("tenant-secret");
+    match std::fs::read(&path) {
+        Ok(bytes) => {
+            return <[u8; 32]>::try_from(bytes.as_slice()).map_err(|_| {
+                anyhow::anyhow!(
+                    "{} is not a 32-byte secret; remove it to have a new one made (tenants' cached blocks are then not found again)",
+                    path.display()
+                )
+            });
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("read {}", path.display())),
+    }
+    let mut secret = [0u8; 32];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut secret))
+        .context("read /dev/urandom")?;
+    std::fs::create_dir_all(kv_dir).with_context(|| format!("create {}", kv_dir.display()))?;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+        .and_then(|mut f| f.write_all(&secret))
+        .with_context(|| format!("write {}", path.display()))?;
+    Ok(secret)
+}
+
 fn write_admin_token(run_dir: &Path, configured: Option<String>) -> anyhow::Result<String> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;

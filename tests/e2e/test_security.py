@@ -1,7 +1,8 @@
-"""Security of a running cluster: private sockets and run directory, the admin token, API keys,
-tenant isolation of the cache by API key, and no secret in the logs (traces: test_traces.py).
-The cluster is configured from a strata.toml with two API keys, per-key cache namespaces and a
-configured admin token."""
+"""Security of a running cluster: private sockets, run directory and block files, the admin
+token, API keys, tenant isolation of the cache by API key, the browser guard (hosts, origins,
+content types), and no secret in the logs (traces: test_traces.py). The cluster is configured
+from a strata.toml with two API keys (tenants by default), a configured admin token and one
+allowed browser origin."""
 import http.client
 import json
 import os
@@ -31,7 +32,6 @@ def cluster(bin_dir, default_model, tmp_path_factory):
 bind = "127.0.0.1:{port}"
 run_dir = "{tmp / 'run'}"
 api_keys = ["{KEY_A}", "{KEY_B}"]
-tenant_by_api_key = true
 admin_token = "{ADMIN}"
 allowed_origins = ["{ALLOWED_ORIGIN}"]
 
@@ -102,10 +102,18 @@ def test_api_keys_are_checked_and_each_key_is_its_own_cache_namespace(cluster):
     assert cached == 0
     again, same = ask(KEY_A)
     assert again >= 256 and same == answer
-    # Tenant B sends the same prompt: nothing of A's is served to it.
+    # Tenant B sends the same prompt: nothing of A's is served to it (keys are tenants by
+    # default once configured).
     other, b_answer = ask(KEY_B)
     assert other == 0 and b_answer == answer
     assert ask(KEY_B)[0] >= 256
+    # What tells namespaces apart is a keyed hash: no key appears in what the admin API or the
+    # metrics show of the cache.
+    shown = json.dumps(call(cluster, "/admin/api/cache/stats", ADMIN)[1])
+    with urllib.request.urlopen(cluster.url + "/metrics", timeout=30) as r:
+        shown += r.read().decode()
+    assert KEY_A not in shown and KEY_B not in shown
+    assert stat.S_IMODE((cluster.run_dir.parent / "kv" / "tenant-secret").stat().st_mode) == 0o600
 
 
 def test_block_files_and_every_directory_are_private_whatever_the_umask(cluster):

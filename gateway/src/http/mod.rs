@@ -43,8 +43,8 @@ pub struct AppState {
     pub request_timeout: Duration,
     pub max_body_bytes: usize,
     pub started_unix: u64,
-    /// Each API key gets its own cache namespace.
-    pub tenant_by_api_key: bool,
+    /// When each API key is its own cache namespace: the secret its salt is keyed with.
+    pub tenant_salt_key: Option<Arc<[u8; 32]>>,
     /// Where images for vision models may come from.
     pub images: Arc<images::ImagePolicy>,
     /// Which hosts and browser origins may use the server.
@@ -137,10 +137,18 @@ pub(crate) fn flavor_of(path: &str) -> Flavor {
     }
 }
 
-/// `Authorization: Bearer KEY` (OpenAI SDKs) or `x-api-key: KEY` (Anthropic SDKs).
-/// The API key a request was let in with, when keys separate tenants' caches.
+/// The tenant a request was let in as, when API keys separate tenants' caches: a keyed hash
+/// of its API key (the key itself never reaches a worker, and the namespaces and counters
+/// derived from it cannot be checked against guessed keys without the secret).
 #[derive(Clone)]
 pub struct TenantKey(pub String);
+
+impl TenantKey {
+    pub fn of(secret: &[u8; 32], api_key: &str) -> Self {
+        let hash = blake3::keyed_hash(secret, api_key.as_bytes());
+        Self(hash.to_hex()[..32].to_string())
+    }
+}
 
 /// The cache salt of a request: its tenant's key (when configured so) and its own
 /// `cache_salt` field. Empty: the model's blocks are shared by every request.
@@ -153,6 +161,7 @@ pub fn cache_salt(tenant: Option<&TenantKey>, requested: Option<&str>) -> String
     }
 }
 
+/// `Authorization: Bearer KEY` (OpenAI SDKs) or `x-api-key: KEY` (Anthropic SDKs).
 async fn require_api_key(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
     if state.api_keys.is_empty() {
         return next.run(req).await;
@@ -171,8 +180,8 @@ async fn require_api_key(State(state): State<AppState>, mut req: Request, next: 
                 .iter()
                 .any(|k| constant_time_eq(k.as_bytes(), key.as_bytes())) =>
         {
-            if state.tenant_by_api_key {
-                let tenant = TenantKey(key.to_string());
+            if let Some(secret) = &state.tenant_salt_key {
+                let tenant = TenantKey::of(secret, key);
                 req.extensions_mut().insert(tenant);
             }
             next.run(req).await

@@ -215,6 +215,8 @@ impl ModelArgs {
 }
 
 fn main() -> anyhow::Result<()> {
+    // Sockets, tokens, block files: nothing this process writes is readable by other users.
+    strata_runtime::private::restrict_new_files();
     // Must run before anything else: OpenBLAS reads its settings when libmlx loads.
     let reexec = blas_env::reexec_with_blas_env();
     mlx_device::keep_freed_memory_mapped();
