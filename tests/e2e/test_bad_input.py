@@ -193,3 +193,34 @@ def test_slow_loris_clients_do_not_starve_others_and_are_cut_off(cluster):
         for s in slow:
             s.close()
     assert cluster.health()[0] == 200
+
+
+def tool(name):
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+
+
+def test_per_request_limits_are_clear_400s_in_each_shape(cluster):
+    # Tools: a count bound, and duplicate names found by a set (20K tools took 0.56 s when
+    # each name was compared with every earlier one).
+    many = [tool(f"t{i}") for i in range(20_000)]
+    started = time.monotonic()
+    message = openai_error(*raw(cluster, CHAT, chat(tools=many)))
+    assert "at most 1024" in message and time.monotonic() - started < 10, message
+    dup = [tool(f"t{i}") for i in range(1000)] + [tool("t7")]
+    assert "used twice" in openai_error(*raw(cluster, CHAT, chat(tools=dup)))
+    anthropic = [{"name": f"t{i}", "input_schema": {"type": "object"}} for i in range(1025)]
+    body = json.dumps({"model": MODEL, "max_tokens": 4, "tools": anthropic,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    assert "at most 1024" in anthropic_error(*raw(cluster, MESSAGES, body))
+    # Messages, stop sequences, top_logprobs.
+    msgs = [{"role": "user", "content": "hi"}] * 10_001
+    body = json.dumps({"model": MODEL, "max_tokens": 4, "messages": msgs}).encode()
+    assert "at most 10000" in openai_error(*raw(cluster, CHAT, body))
+    assert "at most 10000" in anthropic_error(*raw(cluster, MESSAGES, body))
+    assert "at most 16 stop" in openai_error(*raw(cluster, CHAT, chat(stop=["x"] * 17)))
+    assert "1024 bytes" in openai_error(*raw(cluster, CHAT, chat(stop=["x" * 1025])))
+    message = openai_error(*raw(cluster, CHAT, chat(logprobs=True, top_logprobs=21)))
+    assert "top_logprobs" in message and "at most 20" in message
+    # The server is unharmed.
+    status, body = raw(cluster, CHAT, chat(temperature=0))
+    assert status == 200, body

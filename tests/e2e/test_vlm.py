@@ -16,7 +16,9 @@ import http.server
 import json
 import math
 import pathlib
+import struct
 import threading
+import zlib
 
 import anthropic
 import openai
@@ -83,6 +85,18 @@ def image_chat(oai, url, prefix=None, salt=None, **kw):
         extra["cache_salt"] = salt
     return oai.chat.completions.create(model=VLM, messages=messages, max_tokens=5,
                                        temperature=0, logprobs=True, extra_body=extra, **kw)
+
+
+def png_url(w, h, claim=None):
+    """A black RGB PNG of w x h as a data: URL; `claim` rewrites the header's size."""
+    def chunk(kind, data):
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data)))
+    rows = b"".join(b"\0" + b"\0" * (3 * w) for _ in range(h))
+    cw, ch = claim or (w, h)
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", cw, ch, 8, 2, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+    return "data:image/png;base64," + base64.b64encode(png).decode()
 
 
 def token_ids(logprobs):
@@ -212,6 +226,13 @@ def test_image_errors_are_clear_in_each_apis_shape(oai, claude, cluster):
                                          "data": "%%%"}}]}])
     assert e.value.body["type"] == "error"
     assert "base64" in e.value.body["error"]["message"]
+    # Decompression bombs and slivers are refused from their header, before any decode or
+    # resize (a 1 x 20000 PNG once made the resize allocate gigabytes); image counts bounded.
+    assert "at most 50000000 pixels" in bad(
+        model=VLM, messages=image_msg(png_url(1, 1, claim=(100_000, 100_000))))
+    assert "50-fold" in bad(model=VLM, messages=image_msg(png_url(1, 20_000)))
+    many = [{"type": "image_url", "image_url": {"url": data_url("image_a.png")}}] * 17
+    assert "at most 16" in bad(model=VLM, messages=[{"role": "user", "content": many}])
     # Every process is still up.
     status, health = cluster.health()
     assert status == 200, health

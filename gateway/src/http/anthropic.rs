@@ -156,6 +156,13 @@ async fn chat_prompt(
     if messages.is_empty() {
         return Err(invalid("messages: at least one message is required"));
     }
+    if messages.len() > generation::MAX_MESSAGES {
+        return Err(invalid(format!(
+            "messages: {} sent, at most {} are accepted",
+            messages.len(),
+            generation::MAX_MESSAGES
+        )));
+    }
     let mut out = Vec::new();
     let mut sources = Vec::new();
     let mut call_ids: Vec<String> = Vec::new();

@@ -130,6 +130,9 @@ pub struct Params {
 
 /// Most stop sequences a request may send, and the longest one in bytes.
 const MAX_STOP_SEQUENCES: usize = 16;
+/// Most messages one request may hold. A long agent session is a few thousand (Claude Code
+/// compacts its history near the context limit); the body limit bounds their bytes.
+pub const MAX_MESSAGES: usize = 10_000;
 const MAX_STOP_BYTES: usize = 1024;
 
 impl Params {

@@ -13,6 +13,10 @@ use super::error::{ApiError, Flavor};
 
 /// Largest image accepted, encoded.
 pub const MAX_IMAGE_BYTES: usize = 20 << 20;
+/// Most images one request may carry, and their encoded bytes together. The worker decodes
+/// every image (at most 50 megapixels each, its own bound) before the prompt runs.
+pub const MAX_IMAGES: usize = 16;
+pub const MAX_TOTAL_IMAGE_BYTES: usize = 64 << 20;
 const FETCH_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// Where images may come from (from the config).
@@ -84,7 +88,15 @@ pub async fn load(
     policy: &ImagePolicy,
     flavor: Flavor,
 ) -> Result<Vec<Vec<u8>>, ApiError> {
+    if sources.len() > MAX_IMAGES {
+        return Err(ApiError::invalid(format!(
+            "{} images sent, at most {MAX_IMAGES} per request are accepted",
+            sources.len()
+        ))
+        .flavor(flavor));
+    }
     let mut out = Vec::with_capacity(sources.len());
+    let mut total = 0;
     for (i, source) in sources.into_iter().enumerate() {
         let bytes = match source {
             ImageSource::Inline(b) => Ok(b),
@@ -92,6 +104,14 @@ pub async fn load(
             ImageSource::Remote(url) => fetch_remote(&url, policy).await,
         }
         .map_err(|e| ApiError::invalid(format!("image {}: {e}", i + 1)).flavor(flavor))?;
+        total += bytes.len();
+        if total > MAX_TOTAL_IMAGE_BYTES {
+            return Err(ApiError::invalid(format!(
+                "the images pass {} MiB together, the most one request may carry",
+                MAX_TOTAL_IMAGE_BYTES >> 20
+            ))
+            .flavor(flavor));
+        }
         out.push(bytes);
     }
     Ok(out)

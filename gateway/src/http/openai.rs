@@ -16,6 +16,9 @@ use super::generation::{
 };
 use super::images::{self, ImageSource};
 use super::tools::{self, CallParser, Piece, ToolUse};
+
+/// OpenAI's bound on `top_logprobs`.
+const MAX_TOP_LOGPROBS: u32 = 20;
 use super::{AppState, TenantKey};
 use crate::config::ModelKind;
 use axum::Extension;
@@ -163,6 +166,14 @@ pub(crate) fn normalize_messages(
 ) -> Result<(Vec<Value>, Vec<ImageSource>), ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid("messages must not be empty").param("messages"));
+    }
+    if messages.len() > generation::MAX_MESSAGES {
+        return Err(ApiError::invalid(format!(
+            "{} messages sent, at most {} are accepted",
+            messages.len(),
+            generation::MAX_MESSAGES
+        ))
+        .param("messages"));
     }
     let mut images = Vec::new();
     let messages = messages
@@ -468,7 +479,13 @@ pub async fn chat_completions(
         })),
     };
     let logprobs = match (req.logprobs, req.top_logprobs) {
-        (Some(true), top) => Some(top.unwrap_or(0).min(20)),
+        (Some(true), Some(top)) if top > MAX_TOP_LOGPROBS => {
+            return Err(ApiError::invalid(format!(
+                "top_logprobs is {top}: at most {MAX_TOP_LOGPROBS}"
+            ))
+            .param("top_logprobs"));
+        }
+        (Some(true), top) => Some(top.unwrap_or(0)),
         (_, Some(_)) => {
             return Err(
                 ApiError::invalid("top_logprobs needs logprobs: true").param("top_logprobs")

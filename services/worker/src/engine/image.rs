@@ -75,13 +75,28 @@ impl ClipPreprocess {
 
     /// `pixels` as plain values and their shape (for other threads: MLX arrays stay on theirs).
     pub fn pixel_values(&self, encoded: &[u8]) -> Result<(Vec<f32>, [i32; 4])> {
-        let decoded = image::load_from_memory(encoded)
-            .map_err(|e| EngineError::InvalidRequest(format!("cannot decode the image: {e}")))?
+        let bad = |why: String| EngineError::InvalidRequest(why);
+        // The size from the header first: a few hundred bytes of PNG can claim gigapixels.
+        let reader = image::ImageReader::new(std::io::Cursor::new(encoded))
+            .with_guessed_format()
+            .map_err(|e| bad(format!("cannot read the image: {e}")))?;
+        let (w, h) = reader
+            .into_dimensions()
+            .map_err(|e| bad(format!("cannot decode the image: {e}")))?;
+        check_dimensions(w, h)?;
+        let mut reader = image::ImageReader::new(std::io::Cursor::new(encoded))
+            .with_guessed_format()
+            .map_err(|e| bad(format!("cannot read the image: {e}")))?;
+        let mut limits = image::Limits::default();
+        limits.max_image_width = Some(w);
+        limits.max_image_height = Some(h);
+        limits.max_alloc = Some(4 * MAX_PIXELS);
+        reader.limits(limits);
+        let decoded = reader
+            .decode()
+            .map_err(|e| bad(format!("cannot decode the image: {e}")))?
             .to_rgb8();
         let (w, h) = decoded.dimensions();
-        if w == 0 || h == 0 {
-            return Err(EngineError::InvalidRequest("the image is empty".into()));
-        }
         // Shortest edge to `shortest_edge`, the other scaled and truncated, as transformers'
         // `get_resize_output_image_size` does.
         let short = self.size.shortest_edge;
@@ -123,6 +138,33 @@ impl ClipPreprocess {
         }
         Ok((out, [1, 3, ch as i32, cw as i32]))
     }
+}
+
+/// Largest image decoded, in pixels (8000 x 6250; a 48-megapixel photo fits): what one image
+/// may cost in memory before it is resized.
+pub const MAX_PIXELS: u64 = 50_000_000;
+
+/// Largest ratio between an image's sides: the resize scales the short side to the model's
+/// input size, so a 1 x 20000 image would become 336 x 6.7 million pixels (gigabytes).
+pub const MAX_ASPECT_RATIO: u32 = 50;
+
+/// Refuses an image that is empty, over `MAX_PIXELS` or more elongated than
+/// `MAX_ASPECT_RATIO`, before anything is decoded or resized.
+fn check_dimensions(w: u32, h: u32) -> Result<()> {
+    if w == 0 || h == 0 {
+        return Err(EngineError::InvalidRequest("the image is empty".into()));
+    }
+    if u64::from(w) * u64::from(h) > MAX_PIXELS {
+        return Err(EngineError::InvalidRequest(format!(
+            "the image is {w}x{h}: at most {MAX_PIXELS} pixels are accepted"
+        )));
+    }
+    if w.max(h) / w.min(h) > MAX_ASPECT_RATIO {
+        return Err(EngineError::InvalidRequest(format!(
+            "the image is {w}x{h}: its sides may differ at most {MAX_ASPECT_RATIO}-fold"
+        )));
+    }
+    Ok(())
 }
 
 /// Bicubic resize as Pillow computes it (`Resample.c`), which transformers' CLIP processor
@@ -236,4 +278,67 @@ fn pil_coefficients(input: usize, output: usize) -> Vec<(usize, Vec<i64>)> {
             (first, fixed)
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn clip() -> ClipPreprocess {
+        serde_json::from_value(serde_json::json!({
+            "size": {"shortest_edge": 336},
+            "crop_size": {"height": 336, "width": 336},
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+        }))
+        .unwrap()
+    }
+
+    fn png(w: u32, h: u32) -> Vec<u8> {
+        let mut out = std::io::Cursor::new(Vec::new());
+        RgbImage::new(w, h)
+            .write_to(&mut out, image::ImageFormat::Png)
+            .unwrap();
+        out.into_inner()
+    }
+
+    /// A PNG's header rewritten to claim `w` x `h` (its CRC recomputed), its data unchanged.
+    fn claims(mut png: Vec<u8>, w: u32, h: u32) -> Vec<u8> {
+        png[16..20].copy_from_slice(&w.to_be_bytes());
+        png[20..24].copy_from_slice(&h.to_be_bytes());
+        let crc = png[12..29].iter().fold(0xFFFF_FFFFu32, |mut c, &b| {
+            c ^= u32::from(b);
+            for _ in 0..8 {
+                c = if c & 1 != 0 {
+                    (c >> 1) ^ 0xEDB8_8320
+                } else {
+                    c >> 1
+                };
+            }
+            c
+        }) ^ 0xFFFF_FFFF;
+        png[29..33].copy_from_slice(&crc.to_be_bytes());
+        png
+    }
+
+    fn refusal(encoded: &[u8]) -> String {
+        match clip().pixel_values(encoded) {
+            Err(EngineError::InvalidRequest(m)) => m,
+            other => panic!("expected a refusal, got {:?}", other.map(|(_, s)| s)),
+        }
+    }
+
+    #[test]
+    fn bombs_and_slivers_are_refused_before_decoding_or_resizing() {
+        // A few hundred bytes claiming 100000 x 100000 pixels: refused from the header.
+        let bomb = claims(png(1, 1), 100_000, 100_000);
+        assert!(bomb.len() < 200);
+        assert!(refusal(&bomb).contains("at most 50000000 pixels"));
+        // 1 x 20000 would be resized to 336 x 6.7M pixels.
+        assert!(refusal(&png(1, 20_000)).contains("50-fold"));
+        assert!(refusal(&png(20_000, 1)).contains("50-fold"));
+        // An ordinary image still goes through.
+        let (_, shape) = clip().pixel_values(&png(640, 480)).unwrap();
+        assert_eq!(shape, [1, 3, 336, 336]);
+    }
 }
