@@ -85,6 +85,10 @@ pub struct Config {
     /// client make this machine send requests.
     #[serde(default)]
     pub allow_remote_images: bool,
+    /// Hosts remote images may come from although they are not public addresses (a LAN
+    /// server); every other loopback, private, link-local or metadata address is refused.
+    #[serde(default)]
+    pub private_image_hosts: Vec<String>,
     /// Longest wait before restarting a crashed child, in milliseconds [default: 30000].
     #[serde(default)]
     pub restart_backoff_max_ms: Option<u64>,
@@ -235,6 +239,7 @@ impl Default for Config {
             model_dirs: Vec::new(),
             image_dirs: Vec::new(),
             allow_remote_images: false,
+            private_image_hosts: Vec::new(),
             restart_backoff_max_ms: None,
             default_model: None,
         }

@@ -181,6 +181,15 @@ struct UpArgs {
     /// --image-dir are read).
     #[arg(long, env = "STRATA_ALLOW_REMOTE_IMAGES")]
     allow_remote_images: bool,
+    /// A host (name or address as URLs name it) that remote images may come from although it
+    /// is not a public address, e.g. a LAN image server (repeatable). Other loopback, private,
+    /// link-local and metadata addresses are refused, also after DNS and on redirects.
+    #[arg(
+        long = "private-image-host",
+        env = "STRATA_PRIVATE_IMAGE_HOSTS",
+        value_delimiter = ','
+    )]
+    private_image_hosts: Vec<String>,
     /// A folder to scan for models (GGUF files, safetensors folders, also `org/name`
     /// sub-folders): each is offered under its path below the folder, loaded on first request
     /// (repeatable).
@@ -535,6 +544,9 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
     }
     config.image_dirs.extend(args.image_dirs.iter().cloned());
     config.allow_remote_images |= args.allow_remote_images;
+    config
+        .private_image_hosts
+        .extend(args.private_image_hosts.iter().cloned());
     for dir in args.model_dirs.iter().chain(&config.model_dirs.clone()) {
         let found = strata_gateway::discovery::scan(dir)
             .with_context(|| format!("scan the model folder {}", dir.display()))?;
@@ -747,9 +759,12 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         None => (None, None, None),
     };
     http::metrics::install().context("install the Prometheus recorder")?;
-    let image_policy =
-        http::images::ImagePolicy::new(&config.image_dirs, config.allow_remote_images)
-            .context("an image folder (--image-dir, image_dirs)")?;
+    let image_policy = http::images::ImagePolicy::new(
+        &config.image_dirs,
+        config.allow_remote_images,
+        &config.private_image_hosts,
+    )
+    .context("an image folder (--image-dir, image_dirs)")?;
     // Tenants by API key (default with keys): their salts are keyed with a secret kept beside
     // the blocks, so that namespaces stay the same across restarts.
     let tenant_salt_key = if config

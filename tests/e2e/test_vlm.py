@@ -41,17 +41,32 @@ def reference():
 
 @pytest.fixture(scope="module")
 def cluster(bin_dir, default_model, minilm_model, tmp_path_factory):
+    # Remote images on; 127.0.0.1 (the image server below) is the one private host allowed.
     with running_cluster(bin_dir, default_model, tmp_path_factory.mktemp("vlm"),
                          "--embedding-model", str(minilm_model),
                          "--vlm-model", str(FIXTURES / VLM),
-                         "--image-dir", str(FIXTURES), "--allow-remote-images") as c:
+                         "--image-dir", str(FIXTURES), "--allow-remote-images",
+                         "--private-image-host", "127.0.0.1") as c:
         yield c
+
+
+class FixtureImages(http.server.SimpleHTTPRequestHandler):
+    """The fixture images, plus /to-localhost: a redirect to the same server by another name."""
+
+    def do_GET(self):
+        if self.path == "/to-localhost":
+            self.send_response(302)
+            self.send_header("Location",
+                             f"http://localhost:{self.server.server_address[1]}/image_a.png")
+            self.end_headers()
+            return
+        super().do_GET()
 
 
 @pytest.fixture(scope="module")
 def image_server():
     """A local HTTP server for the fixture images (remote URLs, enabled for this cluster)."""
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(FIXTURES))
+    handler = functools.partial(FixtureImages, directory=str(FIXTURES))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
@@ -146,7 +161,25 @@ def test_remote_images_are_fetched_when_enabled(oai, image_server, reference):
     assert ids_of(r) == reference["image_b.png"]["greedy_tokens"]
     with pytest.raises(openai.BadRequestError) as e:
         image_chat(oai, f"{image_server}/missing.png")
-    assert "HTTP 404" in e.value.body["message"]
+    assert "could not be fetched" in e.value.body["message"]
+
+
+def test_remote_images_come_only_from_public_or_allowed_hosts(oai, image_server):
+    def refusal(url):
+        with pytest.raises(openai.BadRequestError) as e:
+            image_chat(oai, url)
+        return e.value.body["message"]
+
+    port = image_server.rsplit(":", 1)[1]
+    for url in (f"http://localhost:{port}/image_a.png",   # a name resolving to loopback
+                f"http://[::1]:{port}/image_a.png",
+                "http://169.254.169.254/latest/meta-data/iam",   # cloud metadata
+                "http://10.0.0.1/image.png",
+                f"{image_server}/to-localhost",          # an allowed host redirecting inward
+                f"{image_server}/missing.png"):          # an internal status is not told
+        message = refusal(url)
+        assert "could not be fetched" in message, (url, message)
+        assert "404" not in message and "refused" not in message.lower(), message
 
 
 def test_anthropic_image_blocks_give_the_same_answer(claude, oai, reference):
