@@ -61,6 +61,10 @@ pub struct Config {
     pub tenant_by_api_key: Option<bool>,
     #[serde(default = "default_request_timeout")]
     pub request_timeout_secs: u64,
+    /// Open client connections allowed at once; past it, new ones wait to be accepted.
+    /// Default (and ceiling): the file descriptors the gateway may open, less a reserve of 256.
+    #[serde(default)]
+    pub max_connections: Option<usize>,
     /// Largest request body accepted, in bytes.
     #[serde(default = "default_max_body")]
     pub max_body_bytes: usize,
@@ -231,6 +235,7 @@ impl Default for Config {
             otlp_endpoint: None,
             tenant_by_api_key: None,
             request_timeout_secs: default_request_timeout(),
+            max_connections: None,
             max_body_bytes: default_max_body(),
             run_dir: None,
             cache: CacheConfig::default(),

@@ -795,7 +795,14 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         )),
         started_unix: strata_gateway::http::generation::unix_now(),
     });
-    let server = tokio::spawn(http::serve::serve(listener, app, shutdown_rx.clone()));
+    let cap = http::serve::connection_cap();
+    let cap = config.max_connections.map_or(cap, |n| n.clamp(1, cap));
+    let server = tokio::spawn(http::serve::serve_capped(
+        listener,
+        app,
+        shutdown_rx.clone(),
+        cap,
+    ));
     tokio::spawn(report_progress(progress));
 
     let signal = strata_runtime::shutdown::signal_received().await;

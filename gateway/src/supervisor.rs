@@ -258,6 +258,9 @@ async fn run_child(
 
     let mut health = tokio::time::interval(HEALTH_EVERY);
     health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // One channel for the child's life: a probe needs no new socket (and so no descriptor)
+    // unless the connection broke.
+    let channel = strata_runtime::uds::channel(&spec.socket, Duration::from_secs(1));
     let mut failures = 0;
     loop {
         tokio::select! {
@@ -274,8 +277,12 @@ async fn run_child(
                 return Ok(Down::Requested);
             }
             _ = health.tick() => {
-                match probe(spec).await {
+                match probe_on(spec, channel.clone()).await {
                     Ok(_) => failures = 0,
+                    Err(e) if gateway_out_of_descriptors() => {
+                        // The gateway's own shortage, not the child's fault: not counted.
+                        tracing::warn!(child = %spec.name, error = %e, "health check not made: the gateway is out of file descriptors");
+                    }
                     Err(e) => {
                         failures += 1;
                         tracing::warn!(child = %spec.name, failures, error = %e, "health check failed");
@@ -329,9 +336,25 @@ async fn wait_ready(
     }
 }
 
-/// One health check over the child's Unix socket, with a deadline.
+/// Whether this process has no file descriptor left to open (EMFILE or ENFILE).
+fn gateway_out_of_descriptors() -> bool {
+    match std::fs::File::open("/dev/null") {
+        Ok(_) => false,
+        Err(e) => matches!(e.raw_os_error(), Some(libc::EMFILE) | Some(libc::ENFILE)),
+    }
+}
+
+/// One health check over the child's Unix socket, with a deadline, on a new channel.
 pub async fn probe(spec: &ChildSpec) -> Result<String, tonic::Status> {
     let channel = strata_runtime::uds::channel(&spec.socket, Duration::from_secs(1));
+    probe_on(spec, channel).await
+}
+
+/// One health check on `channel`.
+async fn probe_on(
+    spec: &ChildSpec,
+    channel: tonic::transport::Channel,
+) -> Result<String, tonic::Status> {
     let deadline = Duration::from_secs(2);
     match spec.kind {
         ChildKind::KvCache => {

@@ -4,9 +4,12 @@ restart backoff is capped at 1 s here (--restart-backoff-max-ms) so that the loo
 rather than the default's half hour; the faults and the recovery paths are the real ones."""
 import os
 import pathlib
+import re
 import resource
 import signal
+import socket
 import statistics
+import subprocess
 import threading
 import time
 
@@ -14,7 +17,7 @@ import anthropic
 import openai
 import pytest
 
-from test_api import MODEL, config_cluster, pick_port, running_cluster
+from test_api import MODEL, Cluster, config_cluster, pick_port, running_cluster, stop_cluster
 
 # About 600 tokens: two whole 256-token blocks and a tail.
 PREFIX = " ".join(f"Clause {i}: the archive keeps every record it is given." for i in range(50))
@@ -246,3 +249,50 @@ path = "{broken}"
         assert r.choices[0].message.content
         # The worker's own log lines still reach the cluster log through the gateway.
         assert "cannot read the model" in c.log()
+
+
+def test_idle_connections_cannot_use_up_the_gateways_descriptors(bin_dir, default_model,
+                                                                   tmp_path):
+    # The gateway may open 400 descriptors. 600 clients connect and send nothing. Before the
+    # connection cap, accept took descriptors until none was left, the supervisor's health
+    # probes (a new socket each) failed with EMFILE, and it killed the healthy worker.
+    port = pick_port()
+
+    def low_descriptor_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (400, 400))
+
+    proc = subprocess.Popen(
+        [bin_dir / "strata", "up", "--bind", f"127.0.0.1:{port}", "--model", str(default_model),
+         "--model-id", MODEL, "--run-dir", str(tmp_path / "run"), "--kv-dir", str(tmp_path / "kv"),
+         "--kv-ram", "64MiB", "--kv-disk", "256MiB"],
+        stdout=open(tmp_path / "strata.log", "wb"), stderr=subprocess.STDOUT,
+        preexec_fn=low_descriptor_limit)
+    c = Cluster(proc, port, tmp_path / "run", tmp_path / "strata.log")
+    idle = []
+    try:
+        c.wait_ready()
+        pid = c.worker()["pid"]
+        for _ in range(600):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", port))
+            idle.append(s)
+        # Four health checks' time (one every 2 s, three failures in a row kill).
+        time.sleep(8)
+        assert proc.poll() is None
+        for s in idle:
+            s.close()
+        idle.clear()
+        deadline = time.monotonic() + 30
+        while c.health()[0] != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        worker = c.worker()
+        assert worker["pid"] == pid and worker["phase"] == "ready", worker
+        log = re.sub(r"\x1b\[[0-9;]*m", "", c.log())
+        assert "health check failed" not in log, log[-3000:]
+        # 400 descriptors less the reserve of 256.
+        assert "accepting connections connections=144" in log
+    finally:
+        for s in idle:
+            s.close()
+        stop_cluster(c)

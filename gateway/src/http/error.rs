@@ -27,6 +27,8 @@ pub enum ErrorKind {
     /// No worker can take it now (starting, restarting, crashed mid-request).
     Overloaded,
     Timeout,
+    /// The client did not send its request in time.
+    RequestTimeout,
     Internal,
 }
 
@@ -82,6 +84,7 @@ impl ApiError {
             ErrorKind::RateLimited => StatusCode::TOO_MANY_REQUESTS,
             ErrorKind::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
             ErrorKind::Timeout => StatusCode::GATEWAY_TIMEOUT,
+            ErrorKind::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
             ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -91,7 +94,8 @@ impl ApiError {
             ErrorKind::InvalidRequest
             | ErrorKind::TooLarge
             | ErrorKind::NotFound
-            | ErrorKind::UnsupportedMediaType => "invalid_request_error",
+            | ErrorKind::UnsupportedMediaType
+            | ErrorKind::RequestTimeout => "invalid_request_error",
             ErrorKind::Authentication => "authentication_error",
             ErrorKind::Forbidden => "permission_error",
             ErrorKind::RateLimited => "rate_limit_error",
@@ -109,6 +113,7 @@ impl ApiError {
             ErrorKind::RateLimited => "rate_limit_error",
             ErrorKind::Overloaded => "overloaded_error",
             ErrorKind::Timeout => "timeout_error",
+            ErrorKind::RequestTimeout => "invalid_request_error",
             ErrorKind::Internal => "api_error",
         }
     }

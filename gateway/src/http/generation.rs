@@ -23,6 +23,19 @@ use super::{AppState, TenantKey};
 use crate::workers::{InFlight, ModelEntry};
 
 /// Reads a JSON body: 413 past `limit` bytes, 400 when it is not JSON.
+/// How long a request body may take to arrive.
+pub const BODY_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Request bodies being read at once, in KiB: 256 MiB (16 bodies at the default 16 MiB
+/// limit; a typical agent request is 50-200 KiB). A body waits for room, it is not refused.
+const BODY_KIB_IN_FLIGHT: u32 = 256 << 10;
+
+/// One bound for the process: bodies are read before any state is looked at.
+fn bodies_in_flight() -> &'static tokio::sync::Semaphore {
+    static IN_FLIGHT: std::sync::OnceLock<tokio::sync::Semaphore> = std::sync::OnceLock::new();
+    IN_FLIGHT.get_or_init(|| tokio::sync::Semaphore::new(BODY_KIB_IN_FLIGHT as usize))
+}
+
 pub async fn read_value(
     body: Body,
     limit: usize,
@@ -55,13 +68,41 @@ pub async fn read_json<T: DeserializeOwned>(
     limit: usize,
     flavor: Flavor,
 ) -> Result<T, ApiError> {
-    let bytes = axum::body::to_bytes(body, limit).await.map_err(|_| {
-        ApiError::new(
-            ErrorKind::TooLarge,
-            format!("the request body is larger than {limit} bytes"),
-        )
-        .flavor(flavor)
-    })?;
+    // Bytes of bodies being read at once are bounded (each may be up to `limit`), and so is
+    // how long one may take to arrive: a client trickling a body holds a buffer, not forever.
+    use axum::body::HttpBody;
+    let expected = body
+        .size_hint()
+        .upper()
+        .map_or(limit, |n| (n as usize).min(limit));
+    let kib = u32::try_from(expected.div_ceil(1024).max(1)).unwrap_or(u32::MAX);
+    let in_flight = bodies_in_flight();
+    let _permit = in_flight
+        .acquire_many(kib.min(BODY_KIB_IN_FLIGHT))
+        .await
+        .map_err(|_| {
+            ApiError::new(ErrorKind::Internal, "the gateway is stopping").flavor(flavor)
+        })?;
+    let bytes =
+        match tokio::time::timeout(BODY_READ_TIMEOUT, axum::body::to_bytes(body, limit)).await {
+            Ok(read) => read.map_err(|_| {
+                ApiError::new(
+                    ErrorKind::TooLarge,
+                    format!("the request body is larger than {limit} bytes"),
+                )
+                .flavor(flavor)
+            })?,
+            Err(_) => {
+                return Err(ApiError::new(
+                    ErrorKind::RequestTimeout,
+                    format!(
+                        "the request body did not arrive within {} s",
+                        BODY_READ_TIMEOUT.as_secs()
+                    ),
+                )
+                .flavor(flavor));
+            }
+        };
     if bytes.is_empty() {
         return Err(ApiError::invalid("the request body is empty; expected JSON").flavor(flavor));
     }

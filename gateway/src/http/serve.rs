@@ -2,6 +2,12 @@
 //! client that sends its headers a byte at a time (slow-loris) holds a connection forever.
 //! This loop is axum's, plus hyper's header read timeout, and it puts each connection's peer
 //! address into the request as `ConnectInfo` (the admin routes answer only loopback peers).
+//!
+//! Every phase of a connection has a deadline: the first bytes that tell HTTP/1 from HTTP/2
+//! (`DETECT_TIMEOUT`), HTTP/1 headers (`HEADER_READ_TIMEOUT`), HTTP/2 liveness (pings), bodies
+//! (`generation::BODY_READ_TIMEOUT`). Connections are capped (`connection_cap`): past the cap
+//! the loop stops accepting until one closes (mini-redis's semaphore), so idle sockets cannot
+//! use up the file descriptors the gateway needs for its workers.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -18,15 +24,88 @@ use tower::ServiceExt;
 
 /// A client must have sent a request's headers within this long.
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// A new connection must have sent enough to tell its protocol within this long.
+pub const DETECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// HTTP/2 connections are pinged this often and closed when a ping goes unanswered this long.
+const H2_PING_EVERY: Duration = Duration::from_secs(30);
+const H2_PING_TIMEOUT: Duration = Duration::from_secs(20);
 
-/// Serves `app` on `listener` until `shutdown` turns true, then lets open connections finish
-/// their requests (the caller bounds how long it waits).
-pub async fn serve(listener: TcpListener, app: Router, mut shutdown: watch::Receiver<bool>) {
+/// The HTTP/2 connection preface; any other first bytes are HTTP/1.
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Open connections allowed at once: the descriptors this process may open, less a reserve for
+/// its own sockets and files (workers, cache service, health checks, model files). The soft
+/// limit is raised to the hard one first.
+pub fn connection_cap() -> usize {
+    const RESERVE: u64 = 256;
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a valid pointer to a local struct.
+    let soft = unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
+            1024
+        } else {
+            let wanted = limit.rlim_max.min(65_536);
+            if wanted > limit.rlim_cur {
+                let raised = libc::rlimit {
+                    rlim_cur: wanted,
+                    rlim_max: limit.rlim_max,
+                };
+                if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                    limit.rlim_cur = wanted;
+                }
+            }
+            limit.rlim_cur
+        }
+    };
+    soft.saturating_sub(RESERVE).clamp(64, 16_384) as usize
+}
+
+/// Waits until the client has sent enough to choose HTTP/1 or HTTP/2 (any byte that departs
+/// from the HTTP/2 preface, or the whole preface), or the deadline passes.
+async fn protocol_known(stream: &tokio::net::TcpStream) -> bool {
+    let detect = async {
+        let mut buf = [0u8; 24];
+        loop {
+            match stream.peek(&mut buf).await {
+                Ok(0) | Err(_) => return false,
+                Ok(n) if n == H2_PREFACE.len() || buf[..n] != H2_PREFACE[..n] => return true,
+                // Part of the preface: wait for the rest.
+                Ok(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+    };
+    tokio::time::timeout(DETECT_TIMEOUT, detect)
+        .await
+        .unwrap_or(false)
+}
+
+/// Serves `app` on `listener` with at most `cap` connections open at once until `shutdown`
+/// turns true, then lets open connections finish their requests (the caller bounds how long
+/// it waits).
+pub async fn serve_capped(
+    listener: TcpListener,
+    app: Router,
+    mut shutdown: watch::Receiver<bool>,
+    cap: usize,
+) {
+    tracing::info!(connections = cap, "accepting connections");
+    let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(cap));
     // Every connection task holds a receiver; closing `stop` asks them to wind down, and
     // `done` closes once the last one has.
     let (stop, stop_rx) = watch::channel(());
     let (done, done_rx) = watch::channel(());
     loop {
+        // Backpressure: past the cap, wait for a connection to close before accepting.
+        let slot = tokio::select! {
+            slot = slots.clone().acquire_owned() => match slot {
+                Ok(slot) => slot,
+                Err(_) => break,
+            },
+            _ = async { shutdown.wait_for(|s| *s).await.map(|_| ()) } => break,
+        };
         let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(a) => a,
@@ -49,11 +128,22 @@ pub async fn serve(listener: TcpListener, app: Router, mut shutdown: watch::Rece
         let mut stopping = stop_rx.clone();
         let done = done_rx.clone();
         tokio::spawn(async move {
+            let _slot = slot;
+            if !protocol_known(&stream).await {
+                tracing::debug!(%peer, "connection closed before its protocol was known");
+                drop(done);
+                return;
+            }
             let mut builder = Builder::new(TokioExecutor::new());
             builder
                 .http1()
                 .timer(TokioTimer::new())
                 .header_read_timeout(HEADER_READ_TIMEOUT);
+            builder
+                .http2()
+                .timer(TokioTimer::new())
+                .keep_alive_interval(H2_PING_EVERY)
+                .keep_alive_timeout(H2_PING_TIMEOUT);
             let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
             let mut conn = std::pin::pin!(conn);
             tokio::select! {
