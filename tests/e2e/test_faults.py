@@ -296,3 +296,40 @@ def test_idle_connections_cannot_use_up_the_gateways_descriptors(bin_dir, defaul
         for s in idle:
             s.close()
         stop_cluster(c)
+
+
+def test_request_timeout_bounds_the_whole_generation(bin_dir, default_model, tmp_path):
+    # request_timeout_secs = 3 and a generation of 3000 tokens (minutes on this CPU): cut at
+    # 3 s in both shapes, the worker cancels it and serves the next request.
+    port = pick_port()
+    text = f"""
+bind = "127.0.0.1:{port}"
+run_dir = "{tmp_path / 'run'}"
+request_timeout_secs = 3
+
+[cache]
+dir = "{tmp_path / 'kv'}"
+
+[[models]]
+id = "{MODEL}"
+path = "{default_model}"
+pinned = true
+"""
+    with config_cluster(bin_dir, tmp_path, port, text) as c:
+        oai = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        long = dict(model=MODEL, max_tokens=3000, temperature=0, extra_body={"ignore_eos": True},
+                    messages=[{"role": "user", "content": "Count to a million."}])
+        started = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as e:
+            oai.chat.completions.create(**long)
+        assert e.value.status_code == 504 and "request_timeout_secs" in str(e.value.body)
+        assert time.monotonic() - started < 15
+        started = time.monotonic()
+        with pytest.raises(openai.APIError) as e:
+            for _ in oai.chat.completions.create(**long, stream=True):
+                pass
+        assert "request_timeout_secs" in str(e.value), e.value
+        assert time.monotonic() - started < 15
+        r = oai.chat.completions.create(model=MODEL, max_tokens=4, temperature=0,
+                                        messages=[{"role": "user", "content": "Hi"}])
+        assert r.choices[0].message.content

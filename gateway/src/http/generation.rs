@@ -332,9 +332,15 @@ pub async fn start(
         started,
         notices,
         flavor,
+        timeout: state.request_timeout,
+        deadline: tokio::time::Instant::now() + state.request_timeout,
         _in_flight: in_flight,
     })
 }
+
+/// How long a stream waits for a client that stopped reading (its buffers full) before it
+/// gives up on it, which cancels the generation in the worker.
+pub const STALLED_CLIENT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// An SSE event as the streaming endpoints queue it.
 pub type SseEvent = Result<axum::response::sse::Event, std::convert::Infallible>;
@@ -345,7 +351,18 @@ pub async fn send_all(
     events: Vec<SseEvent>,
 ) -> Result<(), ()> {
     for e in events {
-        tx.send(e).await.map_err(|_| ())?;
+        match tokio::time::timeout(STALLED_CLIENT_TIMEOUT, tx.send(e)).await {
+            Ok(sent) => sent.map_err(|_| ())?,
+            Err(_) => {
+                tracing::warn!(
+                    "a client read nothing for {} s: its stream is cut",
+                    STALLED_CLIENT_TIMEOUT.as_secs()
+                );
+                ::metrics::counter!("strata_streams_cut_total", "reason" => "client_stalled")
+                    .increment(1);
+                return Err(());
+            }
+        }
     }
     Ok(())
 }
@@ -360,6 +377,10 @@ pub struct GenerationStream {
     /// ones); merged into the Done event's.
     pub notices: Vec<pb::Notice>,
     flavor: Flavor,
+    /// `request_timeout_secs`, and when it runs out: it bounds the whole generation, not only
+    /// its start.
+    timeout: std::time::Duration,
+    deadline: tokio::time::Instant,
     /// The model stays loaded while the stream lasts.
     _in_flight: InFlight,
 }
@@ -375,7 +396,22 @@ impl GenerationStream {
     /// The next delta or the end; an error when the worker failed or went away.
     pub async fn next(&mut self) -> Result<Step, ApiError> {
         loop {
-            let item = self.inner.message().await;
+            let Ok(item) = tokio::time::timeout_at(self.deadline, self.inner.message()).await
+            else {
+                self.meter.failed();
+                ::metrics::counter!("strata_streams_cut_total", "reason" => "request_timeout")
+                    .increment(1);
+                // Returning drops nothing yet; the caller's drop of this stream cancels the
+                // worker's generation.
+                return Err(ApiError::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "the generation ran past request_timeout_secs ({} s)",
+                        self.timeout.as_secs()
+                    ),
+                )
+                .flavor(self.flavor));
+            };
             match item {
                 Ok(Some(e)) => match e.event {
                     Some(generate_event::Event::Delta(d)) => {
