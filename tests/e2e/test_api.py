@@ -490,3 +490,26 @@ def test_a_request_that_cannot_fit_the_workers_memory_budget_is_refused_and_the_
         assert c.worker()["pid"] == pid and c.health()[0] == 200
     finally:
         stop_cluster(c)
+
+
+def test_cache_clear_for_a_model_reaches_its_salted_blocks_and_the_workers_memory(
+        cluster, bin_dir, oai):
+    env = {**os.environ, "STRATA_URL": cluster.url, "STRATA_RUN_DIR": str(cluster.run_dir)}
+    prompt = " ".join(f"Entry {i}: a cleared cache forgets this." for i in range(60))
+
+    def cached():
+        r = oai.chat.completions.create(model=MODEL, max_tokens=2, temperature=0,
+                                        messages=[{"role": "user", "content": prompt}],
+                                        extra_body={"cache_salt": "tenant-x"})
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    cached()
+    assert cached() >= 256
+    out = subprocess.run([bin_dir / "strata", "cache", "clear", "--model", MODEL],
+                         capture_output=True, text=True, env=env, timeout=30)
+    assert out.returncode == 0, out.stderr
+    cleared = json.loads(out.stdout)
+    assert cleared["blocks_removed"] >= 1 and cleared["l0_blocks_removed"] >= 1, cleared
+    # Nothing of it is served afterwards: not from the cache service's salted namespace, not
+    # from the worker's L0.
+    assert cached() == 0

@@ -354,6 +354,7 @@ async fn cache_clear(
                 Err(e)
             }
         })?;
+    let model_name = req.model.clone();
     let namespace = match &req.model {
         Some(name) => {
             let model = state.registry.resolve(name)?;
@@ -382,5 +383,32 @@ async fn cache_clear(
         })?
         .into_inner()
         .blocks_removed;
-    Ok(Json(json!({"namespace": namespace, "blocks_removed": removed})).into_response())
+    // The workers' own RAM tiers too: the named model's, or every running worker's.
+    let models = match &model_name {
+        Some(name) => vec![state.registry.resolve(name)?],
+        None => state.registry.models().to_vec(),
+    };
+    let mut l0_removed = 0;
+    for model in models {
+        // A worker that is not running holds no L0.
+        let Ok(mut client) = model.ready_client() else {
+            continue;
+        };
+        let mut clear = tonic::Request::new(strata_proto::worker::ClearCacheRequest {});
+        clear.set_timeout(Duration::from_secs(10));
+        match client.clear_cache(clear).await {
+            Ok(r) => l0_removed += r.into_inner().blocks_removed,
+            Err(e) => {
+                return Err(ApiError::new(
+                    ErrorKind::Overloaded,
+                    format!("worker of {}: {}", model.id, e.message()),
+                ));
+            }
+        }
+    }
+    Ok(
+        Json(json!({"namespace": namespace, "blocks_removed": removed,
+                   "l0_blocks_removed": l0_removed}))
+        .into_response(),
+    )
 }

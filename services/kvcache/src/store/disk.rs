@@ -613,13 +613,14 @@ impl DiskTier {
         Ok(())
     }
 
-    /// Drops every block of `namespace` (all when empty).
+    /// Drops every block of the namespace family `namespace` (all when empty; see
+    /// `store::in_family`).
     pub fn clear(&mut self, namespace: &str) -> Result<u64, DiskError> {
         let mut doomed = Vec::new();
         for item in self.index.iter() {
             let (k, v) = item?;
             if let (Some(key), Some(e)) = (BlockKey::from_slice(&k), IndexEntry::decode(&v))
-                && (namespace.is_empty() || e.namespace == namespace)
+                && super::in_family(&e.namespace, namespace)
             {
                 doomed.push(key);
             }

@@ -176,6 +176,16 @@ pub struct Writer {
     done: Receiver<()>,
 }
 
+/// Whether namespace `ns` belongs to `family` (all when empty): the model's fingerprint itself,
+/// its quantised variants (`fp~kv-…`) and its tenants' salted views (`fp+…`, `fp~kv-…+…`).
+/// Clearing a model's cache clears all of them.
+pub fn in_family(ns: &str, family: &str) -> bool {
+    family.is_empty()
+        || ns
+            .strip_prefix(family)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('~') || rest.starts_with('+'))
+}
+
 fn in_namespace(b: &Block, namespace: &str) -> bool {
     b.header.as_ref().is_some_and(|h| h.namespace == namespace)
 }
@@ -620,5 +630,26 @@ impl Writer {
             tracing::warn!(waited = ?started.elapsed(), "disk writer did not drain in time");
         }
         finished
+    }
+}
+
+#[cfg(test)]
+mod family_tests {
+    use super::in_family;
+
+    #[test]
+    fn a_model_family_holds_its_quantised_and_salted_namespaces_only() {
+        for ns in [
+            "fp",
+            "fp~kv-affine-q8-g64",
+            "fp+0123abcd",
+            "fp~kv-f16+0123abcd",
+        ] {
+            assert!(in_family(ns, "fp"), "{ns}");
+            assert!(in_family(ns, ""), "{ns}");
+        }
+        for ns in ["fp2", "other~kv", "xfp"] {
+            assert!(!in_family(ns, "fp"), "{ns}");
+        }
     }
 }

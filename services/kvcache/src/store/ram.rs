@@ -194,7 +194,8 @@ impl RamTier {
         out
     }
 
-    /// Drops every block of `namespace` (all when empty); returns how many.
+    /// Drops every block of the namespace family `namespace` (all when empty; see
+    /// `store::in_family`); returns how many.
     pub fn clear(&mut self, namespace: &str) -> u64 {
         let doomed: Vec<BlockKey> = self
             .entries
@@ -204,7 +205,7 @@ impl RamTier {
                     || e.block
                         .header
                         .as_ref()
-                        .is_some_and(|h| h.namespace == namespace)
+                        .is_some_and(|h| super::in_family(&h.namespace, namespace))
             })
             .map(|(k, _)| *k)
             .collect();

@@ -727,6 +727,19 @@ impl Worker for WorkerService {
         }))
     }
 
+    async fn clear_cache(
+        &self,
+        _req: Request<pb::ClearCacheRequest>,
+    ) -> Result<Response<pb::ClearCacheResponse>, Status> {
+        let blocks_removed = match self.serving() {
+            Ok(serving) => serving.prefix_cache.as_ref().map_or(0, |pc| pc.clear_l0()),
+            // An embedding worker holds no KV.
+            Err(_) => 0,
+        };
+        tracing::info!(blocks_removed, "L0 cleared");
+        Ok(Response::new(pb::ClearCacheResponse { blocks_removed }))
+    }
+
     async fn stats(&self, _req: Request<StatsRequest>) -> Result<Response<StatsResponse>, Status> {
         if let Some(e) = &self.embedding {
             let c = &e.embedder.counters;

@@ -44,6 +44,13 @@ impl L0 {
         }
     }
 
+    /// Forgets every block; returns how many there were.
+    pub fn clear(&mut self) -> u64 {
+        let n = self.entries.len() as u64;
+        *self = Self::new(self.limit_bytes);
+        n
+    }
+
     #[cfg(test)]
     pub fn used_bytes(&self) -> u64 {
         self.used_bytes

@@ -415,6 +415,11 @@ impl PrefixCache {
     /// Where each full block of `prompt` is now: "l0", "l1", "l2" or "none" (one lookup per
     /// block not in L0, so blocks past a gap are reported too); and the block a request would
     /// continue from after the body's full blocks (tier, tokens), if all of them are cached.
+    /// Drops every block of L0 (shared by all tenant views); returns how many.
+    pub fn clear_l0(&self) -> u64 {
+        lock(&self.l0).clear()
+    }
+
     pub async fn probe(
         &self,
         prompt: &[u32],
