@@ -124,6 +124,11 @@ pub struct CacheConfig {
     /// longest common prefix at any token, within floating-point rounding of a cold run.
     #[serde(default)]
     pub exact: bool,
+    /// Sync each block to stable storage as it is written, so that cached blocks survive a
+    /// power loss (slower writes). Off by default: a process crash loses nothing written; a
+    /// power loss may lose the last blocks, which are then misses, never wrong.
+    #[serde(default)]
+    pub fsync: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]

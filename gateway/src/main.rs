@@ -633,12 +633,18 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             kv_ram,
             "--disk".into(),
             kv_disk,
-        ],
+        ]
+        .into_iter()
+        .chain(config.cache.fsync.then(|| "--fsync".to_string()))
+        .collect(),
         socket: kvcache_socket.clone(),
         envs: child_envs.clone(),
         backoff: backoff.clone(),
     };
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    // The cache service has its own signal: it stops only after the workers, which store
+    // their last blocks into it on the way out.
+    let (kvcache_shutdown_tx, kvcache_shutdown_rx) = watch::channel(false);
     // launchd or systemd may run the cache service: use it when it answers, and always when
     // it is declared external.
     let external = args.external_kvcache || config.cache.external;
@@ -651,7 +657,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             tracing::warn!(socket = %kvcache_socket.display(), error = %e.message(), "the external cache service does not answer yet; serving without the shared cache until it does");
             None
         }
-        Err(_) => Some(supervisor::supervise(kvcache_spec, shutdown_rx.clone())),
+        Err(_) => Some(supervisor::supervise(kvcache_spec, kvcache_shutdown_rx)),
     };
     let worker_program = sibling_binary(&bin_dir, "strata-worker")?;
     let mut models = Vec::new();
@@ -810,6 +816,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
     let _ = shutdown_tx.send(true);
     // Workers first (they may still store blocks), then the cache service.
     registry.unload_all().await;
+    let _ = kvcache_shutdown_tx.send(true);
     if let Some(task) = kvcache_task {
         let _ = task.await;
     }

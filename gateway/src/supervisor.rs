@@ -89,6 +89,21 @@ impl Backoff {
     }
 }
 
+/// The pipe whose closing tells workers that the gateway is gone; one for the gateway's life.
+fn life_line() -> Option<&'static strata_runtime::parent::LifeLine> {
+    static LINE: std::sync::OnceLock<Option<strata_runtime::parent::LifeLine>> =
+        std::sync::OnceLock::new();
+    LINE.get_or_init(|| strata_runtime::parent::LifeLine::new().ok())
+        .as_ref()
+}
+
+/// In a debug build, `STRATA_TEST_NO_PDEATHSIG=1` leaves the Linux parent-death signal off, so
+/// that a test shows the life line alone stops orphaned workers (as on macOS).
+#[cfg(target_os = "linux")]
+fn test_without_pdeathsig() -> bool {
+    cfg!(debug_assertions) && std::env::var_os("STRATA_TEST_NO_PDEATHSIG").is_some_and(|v| v == "1")
+}
+
 /// How long a child gets to answer its first health check, and to exit after SIGTERM.
 const READY_TIMEOUT: Duration = Duration::from_secs(120);
 const STOP_GRACE: Duration = Duration::from_secs(10);
@@ -211,19 +226,35 @@ async fn run_child(
     if spec.kind == ChildKind::Worker {
         command.stderr(Stdio::piped());
     }
-    #[cfg(target_os = "linux")]
     if spec.kind == ChildKind::Worker {
         // A worker must not outlive a gateway that was killed outright (kill_on_drop cannot
-        // run then): the kernel sends it SIGTERM when the gateway dies. The cache service is
-        // left running on purpose; it outlives gateway restarts.
-        // SAFETY: prctl is async-signal-safe and touches only the calling (child) process.
-        unsafe {
-            command.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
+        // run then). On every platform it watches the gateway's life line (a pipe whose
+        // write end only the gateway holds); on Linux the kernel also sends it SIGTERM when
+        // the gateway dies. The cache service is left running on purpose; it outlives
+        // gateway restarts.
+        match life_line() {
+            Some(line) => {
+                let (k, v) = line.env();
+                command.env(k, v);
+                // SAFETY: the closure only calls fcntl on a descriptor number, which is
+                // async-signal-safe.
+                unsafe { command.pre_exec(line.keep_in_child()) };
+            }
+            None => {
+                tracing::warn!(child = %spec.name, "no life line for the worker (pipe failed): it relies on the parent-death signal")
+            }
+        }
+        #[cfg(target_os = "linux")]
+        if !test_without_pdeathsig() {
+            // SAFETY: prctl is async-signal-safe and touches only the calling (child) process.
+            unsafe {
+                command.pre_exec(|| {
+                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
         }
     }
     let mut child = command

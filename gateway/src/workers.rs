@@ -175,6 +175,29 @@ impl ModelEntry {
     /// loaded.
     pub async fn unload(&self) -> bool {
         let running = lock(&self.running).take();
+        Self::stop(running).await
+    }
+
+    /// Unloads the worker only if no request holds it, deciding under the lock that
+    /// `enter` takes: a request that arrives meanwhile either counts before the decision
+    /// (then the model stays) or finds it unloaded and loads it again; it never gets a
+    /// worker that is being stopped. `idle_for`: also only if unused that long.
+    async fn unload_if_unused(&self, idle_for: Option<(Duration, u64)>) -> bool {
+        let running = {
+            let mut running = lock(&self.running);
+            let idle = idle_for.is_none_or(|(ttl, now)| {
+                now.saturating_sub(self.last_used_ms.load(Ordering::Relaxed))
+                    >= ttl.as_millis() as u64
+            });
+            if self.in_flight() > 0 || self.pinned() || !idle {
+                return false;
+            }
+            running.take()
+        };
+        Self::stop(running).await
+    }
+
+    async fn stop(running: Option<Running>) -> bool {
         match running {
             Some(r) => {
                 let _ = r.stop.send(true);
@@ -183,6 +206,13 @@ impl ModelEntry {
             }
             None => false,
         }
+    }
+
+    /// Counts a request in, under the lock `unload_if_unused` decides under.
+    fn enter(&self) -> InFlight {
+        let _running = lock(&self.running);
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        InFlight(self.in_flight.clone())
     }
 
     /// A client to this model's worker, if it is ready to serve.
@@ -264,8 +294,7 @@ impl Registry {
         &self,
         model: &Arc<ModelEntry>,
     ) -> Result<(WorkerClient<Channel>, InFlight), ApiError> {
-        model.in_flight.fetch_add(1, Ordering::Relaxed);
-        let guard = InFlight(model.in_flight.clone());
+        let guard = model.enter();
         self.touch(model);
         if !model.is_loaded() {
             self.load(model).await?;
@@ -342,12 +371,14 @@ impl Registry {
                         ),
                     ));
                 };
-                tracing::info!(
-                    unloaded = %victim.id,
-                    for_model = %model.id,
-                    "unloading the least recently used model to make room"
-                );
-                victim.unload().await;
+                // A request may have taken the victim since the list was made: then it stays.
+                if victim.unload_if_unused(None).await {
+                    tracing::info!(
+                        unloaded = %victim.id,
+                        for_model = %model.id,
+                        "unloaded the least recently used model to make room"
+                    );
+                }
             }
         }
         tracing::info!(model = %model.id, memory_mib = model.memory_bytes >> 20, "loading model");
@@ -370,8 +401,11 @@ impl Registry {
                     && idle >= ttl.as_millis() as u64
                 {
                     let _decide = self.loading.lock().await;
-                    tracing::info!(model = %m.id, idle_s = idle / 1000, "unloading an idle model");
-                    m.unload().await;
+                    // Decided again under the lock: a request may have arrived meanwhile.
+                    let now = self.started.elapsed().as_millis() as u64;
+                    if m.unload_if_unused(Some((ttl, now))).await {
+                        tracing::info!(model = %m.id, idle_s = idle / 1000, "unloaded an idle model");
+                    }
                 }
             }
         }
@@ -432,9 +466,18 @@ impl Registry {
     }
 
     /// Stops every worker (gateway shutdown).
+    /// Stops every worker, all at once (each gets its own stop grace, not one after another).
     pub async fn unload_all(&self) {
-        for m in self.models.iter() {
-            m.unload().await;
+        let stops: Vec<_> = self
+            .models
+            .iter()
+            .map(|m| {
+                let m = m.clone();
+                tokio::spawn(async move { m.unload().await })
+            })
+            .collect();
+        for s in stops {
+            let _ = s.await;
         }
     }
 }
@@ -477,5 +520,67 @@ mod pattern_tests {
         assert!(!wildcard_match("a*b*c", "a-x-c-y-b"));
         assert!(wildcard_match("exact", "exact"));
         assert!(!wildcard_match("exact", "exact2"));
+    }
+}
+
+#[cfg(test)]
+mod unload_tests {
+    use super::*;
+    use crate::supervisor::{Backoff, ChildKind};
+
+    /// A model whose "worker" is `sleep`: it never answers health, which is enough to be
+    /// loaded (supervised) and stopped.
+    fn entry(dir: &std::path::Path) -> Arc<ModelEntry> {
+        let spec = ChildSpec {
+            name: "sleeper".into(),
+            kind: ChildKind::Worker,
+            program: "sleep".into(),
+            args: vec!["60".into()],
+            socket: dir.join("sleeper.sock"),
+            envs: Vec::new(),
+            backoff: Backoff::default(),
+        };
+        Arc::new(ModelEntry::new(
+            "m".into(),
+            Vec::new(),
+            ModelKind::Llm,
+            false,
+            dir.to_owned(),
+            spec,
+        ))
+    }
+
+    #[tokio::test]
+    async fn a_model_a_request_holds_is_not_unloaded_under_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = entry(dir.path());
+        assert!(m.load());
+        let request = m.enter();
+        // The idle unloader and the budget both decide under the lock: the request wins.
+        assert!(!m.unload_if_unused(None).await);
+        assert!(!m.unload_if_unused(Some((Duration::ZERO, u64::MAX))).await);
+        assert!(m.is_loaded());
+        drop(request);
+        assert!(m.unload_if_unused(Some((Duration::ZERO, u64::MAX))).await);
+        assert!(!m.is_loaded());
+        // A request that comes after the decision finds the model unloaded (and loads it).
+        let _late = m.enter();
+        assert!(!m.is_loaded());
+    }
+
+    #[tokio::test]
+    async fn a_recently_used_model_is_not_unloaded_as_idle() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = entry(dir.path());
+        assert!(m.load());
+        m.last_used_ms.store(1_000, Ordering::Relaxed);
+        assert!(
+            !m.unload_if_unused(Some((Duration::from_secs(5), 2_000)))
+                .await
+        );
+        assert!(
+            m.unload_if_unused(Some((Duration::from_secs(5), 7_000)))
+                .await
+        );
     }
 }

@@ -33,14 +33,15 @@ def wait_for(predicate, timeout_s: float, what: str):
 
 
 @pytest.fixture
-def cluster(bin_dir, default_model, free_port, tmp_path):
+def cluster(bin_dir, default_model, free_port, tmp_path, request):
     run_dir = tmp_path / "run"
     log = open(tmp_path / "strata.log", "wb")
+    env = dict(os.environ, **getattr(request, "param", {}))
     proc = subprocess.Popen(
         [bin_dir / "strata", "up", "--bind", f"127.0.0.1:{free_port}",
          "--model", str(default_model), "--model-id", "smollm2", "--run-dir", str(run_dir),
          "--kv-dir", str(tmp_path / "kv"), "--kv-ram", "64MiB", "--kv-disk", "256MiB"],
-        stdout=log, stderr=subprocess.STDOUT,
+        stdout=log, stderr=subprocess.STDOUT, env=env,
     )
     yield proc, free_port, run_dir
     if proc.poll() is None:
@@ -112,6 +113,10 @@ def test_services_exit_cleanly_on_sigterm(bin_dir, tmp_path, binary, args):
     assert not sock.exists()
 
 
+# Twice: as on Linux (parent-death signal and the life line), and with the life line alone, as
+# on macOS, which has no parent-death signal (a debug-build switch turns the signal off).
+@pytest.mark.parametrize("cluster", [{}, {"STRATA_TEST_NO_PDEATHSIG": "1"}],
+                         ids=["linux", "life-line-only"], indirect=True)
 def test_workers_do_not_outlive_a_killed_gateway(cluster):
     proc, port, _ = cluster
     body = wait_for(lambda: ready(port), 60, "all children ready")

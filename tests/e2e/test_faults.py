@@ -2,6 +2,7 @@
 mid-stream, 20 times in a row, and kill -9 of the cache service under traffic, 10 times. The
 restart backoff is capped at 1 s here (--restart-backoff-max-ms) so that the loops take minutes
 rather than the default's half hour; the faults and the recovery paths are the real ones."""
+import json
 import os
 import pathlib
 import re
@@ -12,6 +13,7 @@ import statistics
 import subprocess
 import threading
 import time
+import urllib.request
 
 import anthropic
 import openai
@@ -330,6 +332,115 @@ pinned = true
                 pass
         assert "request_timeout_secs" in str(e.value), e.value
         assert time.monotonic() - started < 15
+        r = oai.chat.completions.create(model=MODEL, max_tokens=4, temperature=0,
+                                        messages=[{"role": "user", "content": "Hi"}])
+        assert r.choices[0].message.content
+
+
+def test_a_stopping_cluster_stores_the_blocks_its_workers_still_hold(bin_dir, default_model,
+                                                                     tmp_path):
+    # Every Store call of the worker is held back 3 s (a debug-build fault switch), so the
+    # prompt's blocks are still queued in the worker when the gateway gets SIGTERM. Before the
+    # ordered shutdown the cache service stopped together with the worker and they were lost:
+    # the next start had nothing. Now the worker drains its queue into the service, and only
+    # then does the gateway stop the service.
+    text_for = lambda port: f"""
+bind = "127.0.0.1:{port}"
+run_dir = "{tmp_path / 'run'}"
+
+[cache]
+dir = "{tmp_path / 'kv'}"
+
+[[models]]
+id = "{MODEL}"
+path = "{default_model}"
+pinned = true
+"""
+    ask = messages("Summarise the clauses in one sentence.")
+    env = dict(os.environ, STRATA_TEST_STORE_DELAY_MS="3000")
+    port = pick_port()
+    with config_cluster(bin_dir, tmp_path, port, text_for(port), env=env) as c:
+        oai = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        first = oai.chat.completions.create(model=MODEL, messages=ask, max_tokens=4,
+                                            temperature=0)
+        assert first.usage.prompt_tokens >= 512
+        stopping = time.monotonic()
+        c.proc.send_signal(signal.SIGTERM)
+        assert c.proc.wait(timeout=30) == 0
+        stopped_after = time.monotonic() - stopping
+        log = re.sub(r"\x1b\[[0-9;]*m", "", c.log())
+    assert "queued blocks stored before exit" in log, log[-3000:]
+    assert "still queued for the cache service at exit" not in log, log[-3000:]
+    # Bounded: the store delay plus the drains, well inside the 10 s stop grace.
+    assert stopped_after < 15, stopped_after
+    port = pick_port()
+    with config_cluster(bin_dir, tmp_path, port, text_for(port)) as c:
+        oai = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        again = oai.chat.completions.create(model=MODEL, messages=ask, max_tokens=4,
+                                            temperature=0)
+        tiers = again.usage.model_extra["strata_cached_tokens_by_tier"]
+        assert tiers["l2"] + tiers["l1"] >= 512, tiers
+        assert again.choices[0].message.content == first.choices[0].message.content
+
+
+def test_a_trickled_body_and_a_client_that_stops_reading_are_cut_and_stall_nothing(
+        bin_dir, default_model, tmp_path):
+    # Both bounds are a minute in a release build; a debug-build switch makes them 2 s here.
+    # One client sends headers and ten bytes of a 2,000-byte body, then nothing; another
+    # starts a long stream and never reads it (a 2 KiB receive buffer, so the gateway's send
+    # buffer and its 32-event queue fill). Meanwhile, and after, other requests are served.
+    port = pick_port()
+    text = f"""
+bind = "127.0.0.1:{port}"
+run_dir = "{tmp_path / 'run'}"
+
+[cache]
+dir = "{tmp_path / 'kv'}"
+
+[[models]]
+id = "{MODEL}"
+path = "{default_model}"
+pinned = true
+"""
+    env = dict(os.environ, STRATA_TEST_BODY_TIMEOUT_MS="2000", STRATA_TEST_STALL_TIMEOUT_MS="2000")
+    with config_cluster(bin_dir, tmp_path, port, text, env=env) as c:
+        oai = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        trickle = socket.create_connection(("127.0.0.1", port))
+        trickle.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                        b"Content-Type: application/json\r\nContent-Length: 2000\r\n\r\n"
+                        b'{"model": ')
+        stalled = socket.socket()
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+        stalled.connect(("127.0.0.1", port))
+        # 20 top logprobs make each event about 3 KB: the 256 KiB send buffer fills in about
+        # a hundred tokens.
+        body = json.dumps({"model": MODEL, "max_tokens": 8000, "temperature": 0,
+                           "stream": True, "ignore_eos": True, "logprobs": True,
+                           "top_logprobs": 20,
+                           "messages": [{"role": "user", "content": "Count for ever."}]})
+        stalled.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                        f"{body}".encode())
+        # Served while both are pending.
+        r = oai.chat.completions.create(model=MODEL, max_tokens=4, temperature=0,
+                                        messages=[{"role": "user", "content": "Hi"}])
+        assert r.choices[0].message.content
+        trickle.settimeout(30)
+        answer = trickle.recv(65536).decode(errors="replace")
+        assert answer.startswith("HTTP/1.1 408"), answer
+        assert "did not arrive within" in answer and '"error"' in answer, answer
+        trickle.close()
+
+        def cut():
+            metrics = urllib.request.urlopen(c.url + "/metrics", timeout=5).read().decode()
+            return 'strata_streams_cut_total{reason="client_stalled"} 1' in metrics
+        deadline = time.monotonic() + 90
+        while not cut() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert cut(), "the stalled stream was not cut:\n" + c.log()[-3000:]
+        stalled.close()
+        log = re.sub(r"\x1b\[[0-9;]*m", "", c.log())
+        assert "its stream is cut" in log
         r = oai.chat.completions.create(model=MODEL, max_tokens=4, temperature=0,
                                         messages=[{"role": "user", "content": "Hi"}])
         assert r.choices[0].message.content

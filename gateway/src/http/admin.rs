@@ -267,6 +267,7 @@ async fn cache_stats(State(state): State<AppState>) -> Result<Response, ApiError
             "misses": n.misses,
             "disk_quota_bytes": n.disk_quota_bytes,
         })).collect::<Vec<_>>(),
+        "namespaces_omitted": s.namespaces_omitted,
     }))
     .into_response())
 }

@@ -26,6 +26,38 @@ use crate::workers::{InFlight, ModelEntry};
 /// How long a request body may take to arrive.
 pub const BODY_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
+/// A timeout, or in a debug build the milliseconds in the test switch `env` (so that the fault
+/// tests need not wait a minute). A release build ignores the variable.
+fn timeout_or_test_override(
+    cell: &'static std::sync::OnceLock<std::time::Duration>,
+    env: &str,
+    default: std::time::Duration,
+) -> std::time::Duration {
+    *cell.get_or_init(|| {
+        std::env::var(env)
+            .ok()
+            .filter(|_| cfg!(debug_assertions))
+            .and_then(|v| v.parse().ok())
+            .map_or(default, std::time::Duration::from_millis)
+    })
+}
+
+/// `BODY_READ_TIMEOUT`, or `STRATA_TEST_BODY_TIMEOUT_MS` in a debug build.
+pub fn body_read_timeout() -> std::time::Duration {
+    static CELL: std::sync::OnceLock<std::time::Duration> = std::sync::OnceLock::new();
+    timeout_or_test_override(&CELL, "STRATA_TEST_BODY_TIMEOUT_MS", BODY_READ_TIMEOUT)
+}
+
+/// `STALLED_CLIENT_TIMEOUT`, or `STRATA_TEST_STALL_TIMEOUT_MS` in a debug build.
+pub fn stalled_client_timeout() -> std::time::Duration {
+    static CELL: std::sync::OnceLock<std::time::Duration> = std::sync::OnceLock::new();
+    timeout_or_test_override(
+        &CELL,
+        "STRATA_TEST_STALL_TIMEOUT_MS",
+        STALLED_CLIENT_TIMEOUT,
+    )
+}
+
 /// Request bodies being read at once, in KiB: 256 MiB (16 bodies at the default 16 MiB
 /// limit; a typical agent request is 50-200 KiB). A body waits for room, it is not refused.
 const BODY_KIB_IN_FLIGHT: u32 = 256 << 10;
@@ -84,7 +116,7 @@ pub async fn read_json<T: DeserializeOwned>(
             ApiError::new(ErrorKind::Internal, "the gateway is stopping").flavor(flavor)
         })?;
     let bytes =
-        match tokio::time::timeout(BODY_READ_TIMEOUT, axum::body::to_bytes(body, limit)).await {
+        match tokio::time::timeout(body_read_timeout(), axum::body::to_bytes(body, limit)).await {
             Ok(read) => read.map_err(|_| {
                 ApiError::new(
                     ErrorKind::TooLarge,
@@ -96,8 +128,8 @@ pub async fn read_json<T: DeserializeOwned>(
                 return Err(ApiError::new(
                     ErrorKind::RequestTimeout,
                     format!(
-                        "the request body did not arrive within {} s",
-                        BODY_READ_TIMEOUT.as_secs()
+                        "the request body did not arrive within {:?}",
+                        body_read_timeout()
                     ),
                 )
                 .flavor(flavor));
@@ -351,12 +383,12 @@ pub async fn send_all(
     events: Vec<SseEvent>,
 ) -> Result<(), ()> {
     for e in events {
-        match tokio::time::timeout(STALLED_CLIENT_TIMEOUT, tx.send(e)).await {
+        match tokio::time::timeout(stalled_client_timeout(), tx.send(e)).await {
             Ok(sent) => sent.map_err(|_| ())?,
             Err(_) => {
                 tracing::warn!(
-                    "a client read nothing for {} s: its stream is cut",
-                    STALLED_CLIENT_TIMEOUT.as_secs()
+                    "a client read nothing for {:?}: its stream is cut",
+                    stalled_client_timeout()
                 );
                 ::metrics::counter!("strata_streams_cut_total", "reason" => "client_stalled")
                     .increment(1);

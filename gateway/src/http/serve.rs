@@ -65,6 +65,9 @@ pub fn connection_cap() -> usize {
 
 /// Waits until the client has sent enough to choose HTTP/1 or HTTP/2 (any byte that departs
 /// from the HTTP/2 preface, or the whole preface), or the deadline passes.
+/// Each connection's kernel send buffer (`SO_SNDBUF`), fixed rather than autotuned.
+const SEND_BUFFER_BYTES: usize = 256 << 10;
+
 async fn protocol_known(stream: &tokio::net::TcpStream) -> bool {
     let detect = async {
         let mut buf = [0u8; 24];
@@ -127,6 +130,13 @@ pub async fn serve_capped(
         let service = TowerToHyperService::new(app);
         let mut stopping = stop_rx.clone();
         let done = done_rx.clone();
+        // A fixed send buffer: the kernel's autotuning lets one socket queue up to 4 MiB for a
+        // client that stopped reading (thousands of them would pin gigabytes of kernel
+        // memory), and a stream to such a client is noticed only once the buffer is full.
+        // 256 KiB still moves gigabytes a second on loopback.
+        if let Err(e) = socket2::SockRef::from(&stream).set_send_buffer_size(SEND_BUFFER_BYTES) {
+            tracing::debug!(%peer, error = %e, "could not bound the send buffer");
+        }
         tokio::spawn(async move {
             let _slot = slot;
             if !protocol_known(&stream).await {

@@ -48,6 +48,12 @@ enum Command {
         /// repeatable. Its own least recently used blocks make room under it.
         #[arg(long = "quota", value_parser = parse_quota)]
         quotas: Vec<(String, u64)>,
+        /// Sync every block file, its directory and the index to stable storage as it is
+        /// written, so that blocks survive a power loss (a sync per block: slower writes).
+        /// Without it, a crash of the process loses nothing written, a power loss may lose the
+        /// last blocks (they are then misses, never wrong).
+        #[arg(long)]
+        fsync: bool,
     },
     /// Read bandwidth of L1 and L2 against the disk's own (`dd`), and sled vs files for
     /// payloads. Writes about 3x --total into --dir. Not part of CI.
@@ -111,6 +117,7 @@ async fn main() -> anyhow::Result<()> {
             disk_write_budget,
             default_quota,
             quotas,
+            fsync,
         } => {
             // The service's RSS must stay under --ram + 64 MiB (the bench's own client side
             // keeps glibc's defaults, as a worker would).
@@ -124,6 +131,7 @@ async fn main() -> anyhow::Result<()> {
                     default: default_quota,
                     per_namespace: quotas.into_iter().collect(),
                 },
+                fsync,
             })
             .with_context(|| format!("open the store in {}", dir.display()))?;
             let incoming = strata_runtime::uds::bind(&socket).await?;

@@ -4,6 +4,7 @@
 pub mod logging;
 pub mod memory;
 pub mod model_kind;
+pub mod parent;
 pub mod private;
 pub mod shutdown;
 pub mod uds;

@@ -1,6 +1,7 @@
 //! `strata-worker`: serves one model over gRPC on a Unix socket. Normally started by `strata up`.
 
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -411,6 +412,10 @@ fn main() -> anyhow::Result<()> {
             if let Err(e) = &reexec {
                 reexec_warning(e);
             }
+            // A worker never outlives its gateway, on macOS too (no parent-death signal there).
+            strata_runtime::parent::watch_parent(|| {
+                strata_runtime::parent::terminate_self(std::time::Duration::from_secs(20))
+            });
             // Set once the model is loaded (the scheme depends on the live KV dtype).
             let mut kv_quant = None;
             let embedding = match &model {
@@ -782,8 +787,16 @@ fn embedding_serving(
     })
 }
 
+/// How long a stopping worker waits for the cache service to take the blocks still queued
+/// for it. With the gRPC drain (3 s) it stays inside the gateway's 10 s stop grace.
+const STORE_DRAIN: std::time::Duration = std::time::Duration::from_secs(5);
+
 async fn serve(socket: PathBuf, info: ModelInfo, serving: Option<Served>) -> anyhow::Result<()> {
     let incoming = strata_runtime::uds::bind(&socket).await?;
+    let prefix_cache = match &serving {
+        Some(Served::Llm(s)) => s.prefix_cache.clone(),
+        _ => None,
+    };
     tracing::info!(socket = %socket.display(), mlx = %info.mlx_version, device = %info.device, "worker listening");
     strata_runtime::shutdown::serve_until_signal(
         "worker",
@@ -797,5 +810,19 @@ async fn serve(socket: PathBuf, info: ModelInfo, serving: Option<Served>) -> any
     .await
     .context("gRPC server")?;
     let _ = std::fs::remove_file(&socket);
+    // The blocks of the last requests go to the cache service before the process ends; the
+    // gateway stops the service only after its workers.
+    if let Some(cache) = prefix_cache {
+        let queued = cache.stats.blocks_store_pending.load(Ordering::Relaxed);
+        let left = cache.drain_stores(STORE_DRAIN).await;
+        if left > 0 {
+            tracing::warn!(
+                left,
+                "blocks still queued for the cache service at exit: lost"
+            );
+        } else if queued > 0 {
+            tracing::info!(blocks = queued, "queued blocks stored before exit");
+        }
+    }
     Ok(())
 }

@@ -7,6 +7,9 @@
 //! Crash safety: a block file is written under a temporary name and renamed into place before
 //! the index names it; at open, temporary files and files the index does not name are removed,
 //! and entries whose file is missing are dropped. Every read re-verifies header and checksum.
+//! An index sled cannot open or read (corrupt) is set aside and rebuilt from the block files,
+//! which carry everything it holds. With `fsync`, a block is on stable storage (file, its
+//! directory entry, its index entry) before the store acknowledges it to the disk writer.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
@@ -171,6 +174,8 @@ pub struct DiskTier {
     today: fn() -> u64,
     /// Partial blocks found at open, for the store's prefix index.
     children_at_open: Vec<ChildEntry>,
+    /// Sync every block file, its directory and the index before a write counts as done.
+    fsync: bool,
 }
 
 const WRITTEN_TODAY: &[u8] = b"written_today";
@@ -196,6 +201,29 @@ impl DiskTier {
         fs::create_dir_all(&blocks).map_err(io(&blocks))?;
         // Blocks hold prompts' token ids: a tree an older version left readable is tightened.
         strata_runtime::private::tighten_tree(dir).map_err(io(dir))?;
+        match Self::open_index_and_files(dir, limit_bytes, write_budget) {
+            Err(DiskError::Index(e)) if index_is_damaged(&e) => {
+                // Everything the index holds is in the block files too (header: namespace,
+                // parent, tokens; size from the file): set it aside and adopt every file.
+                // Only the LRU order and today's write count are lost.
+                let index = dir.join("index");
+                let aside = dir.join("index.corrupt");
+                let _ = fs::remove_dir_all(&aside);
+                fs::rename(&index, &aside).map_err(io(&index))?;
+                tracing::warn!(error = %e, set_aside = %aside.display(), "the disk index is corrupt; rebuilding it from the block files");
+                let tier = Self::open_index_and_files(dir, limit_bytes, write_budget)?;
+                tracing::info!(blocks = tier.len(), "disk index rebuilt");
+                Ok(tier)
+            }
+            other => other,
+        }
+    }
+
+    fn open_index_and_files(
+        dir: &Path,
+        limit_bytes: u64,
+        write_budget: Option<u64>,
+    ) -> Result<Self, DiskError> {
         let index = open_index(&dir.join("index"))?;
         // Bookkeeping lives in its own tree: the default tree holds only block keys.
         let meta = index.open_tree("meta")?;
@@ -227,6 +255,7 @@ impl DiskTier {
             meta,
             today: utc_day,
             children_at_open: Vec::new(),
+            fsync: false,
         };
         tier.recover()?;
         tier.measure_sled();
@@ -356,14 +385,16 @@ impl DiskTier {
     /// Evicts `victim` to make room, counted per namespace.
     fn evict(&mut self, victim: &BlockKey) -> Result<(), DiskError> {
         if let Some(t) = self.tracked.get(victim) {
-            *self
-                .evictions_by_namespace
-                .entry(t.namespace.clone())
-                .or_default() += 1;
+            super::count_bounded(&mut self.evictions_by_namespace, t.namespace.clone(), 1);
         }
         self.remove(victim)?;
         self.evictions += 1;
         Ok(())
+    }
+
+    /// `cache.fsync`: blocks survive power loss once written, at the cost of a sync per block.
+    pub fn set_fsync(&mut self, on: bool) {
+        self.fsync = on;
     }
 
     pub fn set_quotas(&mut self, quotas: Quotas) {
@@ -496,7 +527,8 @@ impl DiskTier {
         let mut f = fs::File::create(&tmp).map_err(io(&tmp))?;
         let written = f
             .write_all(&prefix)
-            .and_then(|()| f.write_all(&block.payload));
+            .and_then(|()| f.write_all(&block.payload))
+            .and_then(|()| if self.fsync { f.sync_all() } else { Ok(()) });
         drop(f);
         if let Err(e) = written {
             // A full disk, most often: leave nothing half-written behind.
@@ -504,6 +536,14 @@ impl DiskTier {
             return Err(io(&tmp)(e));
         }
         fs::rename(&tmp, &path).map_err(io(&path))?;
+        if self.fsync
+            && let Some(shard) = path.parent()
+        {
+            // The rename is durable only once its directory is.
+            fs::File::open(shard)
+                .and_then(|d| d.sync_all())
+                .map_err(io(shard))?;
+        }
         self.clock += 1;
         let entry = IndexEntry {
             size,
@@ -519,6 +559,9 @@ impl DiskTier {
         let mut v = day.to_le_bytes().to_vec();
         v.extend_from_slice(&self.written_today.1.to_le_bytes());
         self.meta.insert(WRITTEN_TODAY, v)?;
+        if self.fsync {
+            self.index.flush()?;
+        }
         Ok(())
     }
 
@@ -651,6 +694,24 @@ pub fn read_located(path: &Path, key: &BlockKey) -> ReadOutcome {
 
 /// Opens sled, waiting briefly for a previous owner (a process still exiting, or an earlier
 /// handle in this process whose flusher thread has not stopped yet) to release its lock.
+/// Whether sled's error means its files are damaged (rebuild from the block files), not that
+/// another process holds them or the disk refuses (then rebuilding would lose a live index
+/// or fail the same way).
+fn index_is_damaged(e: &sled::Error) -> bool {
+    match e {
+        // Unsupported: what sled says of a file it cannot parse at all (or of another sled
+        // version's); either way only a rebuild gets the tier back.
+        sled::Error::Corruption { .. }
+        | sled::Error::ReportableBug(_)
+        | sled::Error::Unsupported(_) => true,
+        sled::Error::Io(io) => matches!(
+            io.kind(),
+            std::io::ErrorKind::InvalidData | std::io::ErrorKind::UnexpectedEof
+        ),
+        _ => false,
+    }
+}
+
 fn open_index(path: &Path) -> Result<sled::Db, DiskError> {
     let started = Instant::now();
     loop {
@@ -710,6 +771,80 @@ mod tests {
         match d.read(&block(2, 4096).0).unwrap() {
             ReadOutcome::Hit(b) => assert_eq!(*b, block(2, 4096).1),
             _ => panic!("block 2 lost"),
+        }
+    }
+
+    /// Every way of damaging sled's files tried here ends in a rebuilt index holding every
+    /// block, never in a tier that refuses to open.
+    #[test]
+    fn a_corrupt_index_is_rebuilt_from_the_block_files() {
+        type Damage = fn(&Path);
+        let damages: [(&str, Damage); 3] = [
+            ("garbage over every file", |index| {
+                for f in fs::read_dir(index).unwrap().flatten() {
+                    if f.path().is_file() {
+                        fs::write(f.path(), vec![0xA5u8; 4096]).unwrap();
+                    }
+                }
+            }),
+            ("truncated files", |index| {
+                for f in fs::read_dir(index).unwrap().flatten() {
+                    if f.path().is_file() {
+                        let len = fs::metadata(f.path()).unwrap().len();
+                        let file = fs::OpenOptions::new().write(true).open(f.path()).unwrap();
+                        file.set_len(len / 3).unwrap();
+                    }
+                }
+            }),
+            ("the config file garbled", |index| {
+                fs::write(index.join("conf"), b"not a sled config").unwrap();
+            }),
+        ];
+        for (what, damage) in damages {
+            let dir = tempfile::tempdir().unwrap();
+            {
+                let mut d = DiskTier::open(dir.path(), 1 << 30).unwrap();
+                for t in 0..5 {
+                    let (k, b) = block(t, 4096);
+                    d.write(k, &b).unwrap();
+                }
+                d.flush().unwrap();
+            }
+            damage(&dir.path().join("index"));
+            let mut d =
+                DiskTier::open(dir.path(), 1 << 30).unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!(d.len(), 5, "{what}");
+            for t in 0..5 {
+                match d.read(&block(t, 4096).0).unwrap() {
+                    ReadOutcome::Hit(b) => assert_eq!(*b, block(t, 4096).1, "{what}"),
+                    _ => panic!("{what}: block {t} lost"),
+                }
+            }
+            // The rebuilt index is a working one: it takes writes and survives a reopen.
+            let (k, b) = block(99, 4096);
+            d.write(k, &b).unwrap();
+            d.flush().unwrap();
+            drop(d);
+            assert_eq!(
+                DiskTier::open(dir.path(), 1 << 30).unwrap().len(),
+                6,
+                "{what}"
+            );
+        }
+    }
+
+    #[test]
+    fn with_fsync_blocks_are_written_and_read_back_the_same() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut d = DiskTier::open(dir.path(), 1 << 30).unwrap();
+        d.set_fsync(true);
+        let (k, b) = block(7, 4096);
+        d.write(k, &b).unwrap();
+        drop(d);
+        let mut d = DiskTier::open(dir.path(), 1 << 30).unwrap();
+        match d.read(&k).unwrap() {
+            ReadOutcome::Hit(read) => assert_eq!(*read, b),
+            _ => panic!("block lost"),
         }
     }
 

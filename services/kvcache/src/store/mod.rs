@@ -34,6 +34,8 @@ pub struct StoreConfig {
     /// Bytes a day the disk tier may write; None = unlimited.
     pub disk_write_budget: Option<u64>,
     pub quotas: disk::Quotas,
+    /// Sync each block to stable storage before it counts as written (`cache.fsync`).
+    pub fsync: bool,
 }
 
 #[derive(Default)]
@@ -75,7 +77,27 @@ enum Counted {
     Miss,
 }
 
-const MAX_COUNTED_NAMESPACES: usize = 1024;
+/// Namespaces come from requests (tenants' salts): past this many, per-namespace counters keep
+/// counting only the namespaces they already hold, and the totals count everything.
+pub const MAX_COUNTED_NAMESPACES: usize = 1024;
+/// Namespaces a Stats reply lists, the largest first; the rest are counted in
+/// `namespaces_omitted`. 256 entries are about 40 KB of reply, far below gRPC's 4 MiB limit
+/// whatever the number of namespaces held.
+pub const MAX_REPORTED_NAMESPACES: usize = 256;
+/// The child index is swept of blocks that left both tiers once it holds this many entries
+/// more than twice the blocks held (a sweep costs one pass; amortised over the stores since).
+const CHILD_INDEX_SLACK: usize = 4096;
+
+/// Adds `n` to `namespace`'s counter unless the map is full and does not hold it yet.
+pub fn count_bounded<K>(map: &mut std::collections::HashMap<K, u64>, namespace: K, n: u64)
+where
+    K: std::hash::Hash + Eq,
+{
+    if map.len() >= MAX_COUNTED_NAMESPACES && !map.contains_key(&namespace) {
+        return;
+    }
+    *map.entry(namespace).or_default() += n;
+}
 
 /// Hits and misses of one namespace: (RAM hits, disk hits, misses).
 type NamespaceCounters = std::collections::HashMap<String, (u64, u64, u64)>;
@@ -86,6 +108,8 @@ struct Inner {
     /// Why the disk tier is not taking writes, if it is not.
     degraded: Mutex<Option<String>>,
     children: Mutex<ChildIndex>,
+    /// Entries in `children`, all parents together.
+    child_entries: AtomicU64,
     by_namespace: Mutex<NamespaceCounters>,
     ram: Mutex<RamTier>,
     disk: Mutex<DiskTier>,
@@ -201,14 +225,18 @@ impl Store {
         let mut disk =
             DiskTier::open_with_budget(&config.dir, config.disk_bytes, config.disk_write_budget)?;
         disk.set_quotas(config.quotas.clone());
+        disk.set_fsync(config.fsync);
         let mut children = ChildIndex::new();
+        let mut child_entries = 0;
         for (key, parent, tokens) in disk.take_children() {
             children.entry(parent).or_default().push((key, tokens));
+            child_entries += 1;
         }
         let inner = Arc::new(Inner {
             degraded: Mutex::new(None),
             queued_bytes: AtomicU64::new(0),
             children: Mutex::new(children),
+            child_entries: AtomicU64::new(child_entries),
             by_namespace: Mutex::new(NamespaceCounters::new()),
             ram: Mutex::new(RamTier::new(config.ram_bytes)),
             disk: Mutex::new(disk),
@@ -274,8 +302,10 @@ impl Store {
             let list = children.entry(parent).or_default();
             if !list.iter().any(|(k, _)| *k == key) {
                 list.push((key, h.token_ids.clone()));
+                self.inner.child_entries.fetch_add(1, Ordering::Relaxed);
             }
         }
+        self.sweep_children_if_due();
         // The payload may be a slice of a larger receive buffer; kept as it is, the whole buffer
         // would stay alive with it and the RAM tier would hold more than it counts.
         let block = Arc::new(Block {
@@ -377,12 +407,46 @@ impl Store {
                 None => gone.push(key),
             }
         }
-        if !gone.is_empty()
-            && let Some(list) = lock(&self.inner.children).get_mut(parent)
-        {
-            list.retain(|(k, _)| !gone.contains(k));
+        if !gone.is_empty() {
+            let mut children = lock(&self.inner.children);
+            if let Some(list) = children.get_mut(parent) {
+                let before = list.len();
+                list.retain(|(k, _)| !gone.contains(k));
+                let removed = (before - list.len()) as u64;
+                if list.is_empty() {
+                    children.remove(parent);
+                }
+                self.inner
+                    .child_entries
+                    .fetch_sub(removed, Ordering::Relaxed);
+            }
         }
         best
+    }
+
+    /// Entries in the child index (for tests and bounds).
+    pub fn child_index_len(&self) -> usize {
+        self.inner.child_entries.load(Ordering::Relaxed) as usize
+    }
+
+    /// Drops the child index's entries for blocks that left both tiers, once the index has
+    /// grown well past the blocks held. Without it, the entries of parents never looked up
+    /// again would stay forever (one per block ever stored, token ids included).
+    fn sweep_children_if_due(&self) {
+        let held = lock(&self.inner.ram).len() + lock(&self.inner.disk).len();
+        if self.child_index_len() <= 2 * held + CHILD_INDEX_SLACK {
+            return;
+        }
+        let mut children = lock(&self.inner.children);
+        let mut kept = 0;
+        children.retain(|_, list| {
+            list.retain(|(k, _)| self.tier_of(k).is_some());
+            kept += list.len();
+            !list.is_empty()
+        });
+        self.inner
+            .child_entries
+            .store(kept as u64, Ordering::Relaxed);
     }
 
     /// One block of `namespace`, from RAM or from disk (then kept in RAM). Blocks that fail
@@ -539,6 +603,7 @@ impl Store {
             (r.len() as u64, r.used_bytes(), r.by_namespace())
         };
         let mut d = lock(&self.inner.disk);
+        let (namespaces, namespaces_omitted) = self.namespace_stats(&ram_by_ns, &d);
         StatsResponse {
             ram: Some(TierStats {
                 blocks: ram_blocks,
@@ -566,7 +631,8 @@ impl Store {
                 .map(|b| b.saturating_sub(d.written_today()))
                 .unwrap_or(u64::MAX),
             blocks_ram_only_budget_spent: get(&c.budget_skips),
-            namespaces: self.namespace_stats(&ram_by_ns, &d),
+            namespaces,
+            namespaces_omitted,
             disk_degraded: lock(&self.inner.degraded).clone().unwrap_or_default(),
             writes_deferred: get(&c.writes_deferred),
             evicted_unwritten: get(&c.evicted_unwritten),
@@ -579,7 +645,7 @@ impl Store {
         &self,
         ram: &std::collections::HashMap<String, (u64, u64, u64)>,
         disk: &DiskTier,
-    ) -> Vec<NamespaceStats> {
+    ) -> (Vec<NamespaceStats>, u64) {
         let disk = disk.by_namespace();
         let counters = lock(&self.inner.by_namespace).clone();
         let mut names: Vec<&String> = ram
@@ -589,7 +655,20 @@ impl Store {
             .collect();
         names.sort();
         names.dedup();
-        names
+        let omitted = names.len().saturating_sub(MAX_REPORTED_NAMESPACES) as u64;
+        if omitted > 0 {
+            // The largest namespaces (bytes held, then lookups) are the ones worth listing.
+            let weight = |ns: &String| {
+                let r = ram.get(ns).map_or(0, |r| r.1);
+                let d = disk.get(ns).map_or(0, |d| d.1);
+                let h = counters.get(ns).map_or(0, |h| h.0 + h.1 + h.2);
+                (r + d, h)
+            };
+            names.sort_by_key(|ns| std::cmp::Reverse(weight(ns)));
+            names.truncate(MAX_REPORTED_NAMESPACES);
+            names.sort();
+        }
+        let listed = names
             .into_iter()
             .map(|ns| {
                 let r = ram.get(ns).copied().unwrap_or_default();
@@ -613,7 +692,8 @@ impl Store {
                     disk_quota_bytes: d.3.unwrap_or(0),
                 }
             })
-            .collect()
+            .collect();
+        (listed, omitted)
     }
 }
 
@@ -651,5 +731,91 @@ mod family_tests {
         for ns in ["fp2", "other~kv", "xfp"] {
             assert!(!in_family(ns, "fp"), "{ns}");
         }
+    }
+}
+
+#[cfg(test)]
+mod bound_tests {
+    use super::*;
+    use crate::block::make_block;
+
+    fn store_in(dir: &std::path::Path, ram_bytes: u64, disk_bytes: u64) -> (Store, Writer) {
+        Store::open(StoreConfig {
+            dir: dir.to_owned(),
+            ram_bytes,
+            disk_bytes,
+            disk_write_budget: None,
+            quotas: disk::Quotas::default(),
+            fsync: false,
+        })
+        .unwrap()
+    }
+
+    fn block(namespace: &str, token: u32) -> Block {
+        make_block(
+            namespace,
+            None,
+            vec![token, token + 1],
+            (1, 1, 4, "float32"),
+            vec![1u8; 2 * 2 * 4 * 4],
+        )
+    }
+
+    #[test]
+    fn a_stats_reply_lists_a_bounded_number_of_namespaces_largest_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, writer) = store_in(dir.path(), 64 << 20, 64 << 20);
+        let namespaces = MAX_REPORTED_NAMESPACES + 300;
+        for i in 0..namespaces {
+            store.store(block(&format!("salted+{i:05}"), 0)).unwrap();
+        }
+        // One namespace holds more than any other: it must be among those listed.
+        for t in 1..6 {
+            store.store(block("big", t * 10)).unwrap();
+        }
+        // Lookups of namespaces that hold nothing count too, within their own bound.
+        for i in 0..2 * MAX_COUNTED_NAMESPACES {
+            let key = BlockKey::chain("asked", None, &[i as u32]);
+            assert!(store.fetch(&format!("asked+{i}"), &key).unwrap().is_none());
+        }
+        let stats = store.stats();
+        assert_eq!(stats.namespaces.len(), MAX_REPORTED_NAMESPACES);
+        let held_or_counted = namespaces + 1 + MAX_COUNTED_NAMESPACES;
+        assert_eq!(
+            stats.namespaces_omitted as usize,
+            held_or_counted - MAX_REPORTED_NAMESPACES
+        );
+        assert!(stats.namespaces.iter().any(|n| n.namespace == "big"));
+        let names: Vec<&str> = stats.namespaces.iter().map(|n| &*n.namespace).collect();
+        assert!(names.windows(2).all(|w| w[0] < w[1]), "sorted by name");
+        assert_eq!(stats.misses as usize, 2 * MAX_COUNTED_NAMESPACES);
+        assert!(writer.shutdown(Duration::from_secs(10)));
+    }
+
+    #[test]
+    fn the_child_index_forgets_blocks_that_left_both_tiers() {
+        let dir = tempfile::tempdir().unwrap();
+        let one = ram::block_bytes(&block("ns", 0));
+        // Room for 8 blocks in RAM and none on disk: every older block leaves both tiers.
+        let (store, writer) = store_in(dir.path(), 8 * one, 0);
+        let stored = 3 * CHILD_INDEX_SLACK;
+        for t in 0..stored as u32 {
+            store.store(block("ns", 2 * t)).unwrap();
+        }
+        let held = store.stats().ram.map_or(0, |r| r.blocks) as usize;
+        assert!(held <= 8);
+        let entries = store.child_index_len();
+        assert!(
+            entries <= 2 * held + CHILD_INDEX_SLACK + 1,
+            "{entries} entries for {held} blocks held after {stored} stores"
+        );
+        // What is still held is still found by its tokens.
+        let last = 2 * (stored as u32 - 1);
+        let root = block::root_of("ns");
+        let found = store
+            .find_child(&root, &[last, last + 1], Continuation::CommonPrefix)
+            .unwrap();
+        assert_eq!(found.tokens, 2);
+        writer.shutdown(Duration::from_secs(10));
     }
 }

@@ -111,10 +111,7 @@ impl RamTier {
             if let Some(e) = self.remove(&victim) {
                 evicted.blocks += 1;
                 if let Some(h) = e.block.header.as_ref() {
-                    *self
-                        .evictions_by_namespace
-                        .entry(h.namespace.clone())
-                        .or_default() += 1;
+                    super::count_bounded(&mut self.evictions_by_namespace, h.namespace.clone(), 1);
                 }
                 if !e.persisted {
                     evicted.unpersisted += 1;

@@ -72,6 +72,8 @@ pub struct PrefixStats {
     pub blocks_fetched: AtomicU64,
     pub partial_hits: AtomicU64,
     pub blocks_stored: AtomicU64,
+    /// Blocks handed to the store task and not yet answered by the cache service.
+    pub blocks_store_pending: AtomicU64,
     pub blocks_store_dropped: AtomicU64,
     pub store_failures: AtomicU64,
     /// Service hits not fetched because recomputing them was estimated to be faster.
@@ -183,6 +185,20 @@ impl PrefixCache {
             stats,
             cost: Arc::new(Mutex::new(CostModel::default())),
             reuse: Reuse::CommonPrefix,
+        }
+    }
+
+    /// Waits until every block handed to the store task has been answered by the cache
+    /// service, for at most `within`: at shutdown, so that the blocks of the last requests are
+    /// not lost with the process. Returns how many were still pending.
+    pub async fn drain_stores(&self, within: Duration) -> u64 {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let pending = self.stats.blocks_store_pending.load(Ordering::Relaxed);
+            if pending == 0 || tokio::time::Instant::now() >= deadline {
+                return pending;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
 
@@ -404,7 +420,13 @@ impl PrefixCache {
             if this.client.is_none() {
                 return;
             }
+            this.stats
+                .blocks_store_pending
+                .fetch_add(1, Ordering::Relaxed);
             if this.store.try_send((made, request_span.clone())).is_err() {
+                this.stats
+                    .blocks_store_pending
+                    .fetch_sub(1, Ordering::Relaxed);
                 this.stats
                     .blocks_store_dropped
                     .fetch_add(1, Ordering::Relaxed);

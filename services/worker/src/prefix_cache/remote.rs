@@ -226,6 +226,18 @@ fn parent_matches(parent: &[u8], expected: &BlockKey, namespace: &str) -> bool {
     }
 }
 
+/// In a debug build, `STRATA_TEST_STORE_DELAY_MS` delays every Store call: the fault tests use
+/// it to hold blocks in the worker's queue at shutdown. A release build ignores it.
+pub const TEST_STORE_DELAY_ENV: &str = "STRATA_TEST_STORE_DELAY_MS";
+
+fn test_store_delay() -> Option<Duration> {
+    if !cfg!(debug_assertions) {
+        return None;
+    }
+    let ms: u64 = std::env::var(TEST_STORE_DELAY_ENV).ok()?.parse().ok()?;
+    Some(Duration::from_millis(ms))
+}
+
 /// Sends stored blocks to the cache service, as many per Store call as are waiting.
 pub(super) async fn store_loop(
     mut client: CacheClient,
@@ -248,10 +260,14 @@ pub(super) async fn store_loop(
         req.set_timeout(Duration::from_secs(30));
         let stored = async {
             strata_runtime::logging::inject(&mut req);
+            if let Some(delay) = test_store_delay() {
+                tokio::time::sleep(delay).await;
+            }
             client.rpc().store(req).await
         }
         .instrument(span)
         .await;
+        stats.blocks_store_pending.fetch_sub(n, Ordering::Relaxed);
         match stored {
             Ok(r) => {
                 let r = r.into_inner();
