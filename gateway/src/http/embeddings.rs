@@ -11,7 +11,7 @@ use strata_proto::worker as pb;
 
 use super::AppState;
 use super::error::{ApiError, Flavor, from_worker_status};
-use super::generation::{from_value, read_value};
+use super::generation::read_json;
 use crate::config::ModelKind;
 
 const FLAVOR: Flavor = Flavor::OpenAi;
@@ -37,8 +37,7 @@ pub async fn embeddings(
     State(state): State<AppState>,
     body: Body,
 ) -> Result<Json<Value>, ApiError> {
-    let value = read_value(body, state.max_body_bytes, FLAVOR).await?;
-    let req: EmbeddingsRequest = from_value(&value, FLAVOR)?;
+    let req: EmbeddingsRequest = read_json(body, state.max_body_bytes, FLAVOR).await?;
     let base64 = match req.encoding_format.as_deref() {
         None | Some("float") => false,
         Some("base64") => true,

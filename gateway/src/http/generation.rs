@@ -68,38 +68,38 @@ fn bodies_in_flight() -> &'static tokio::sync::Semaphore {
     IN_FLIGHT.get_or_init(|| tokio::sync::Semaphore::new(BODY_KIB_IN_FLIGHT as usize))
 }
 
-pub async fn read_value(
-    body: Body,
-    limit: usize,
-    flavor: Flavor,
-) -> Result<serde_json::Value, ApiError> {
-    read_json(body, limit, flavor).await
-}
-
-/// Parses a request (or one part of it) from a JSON value, naming the field at fault.
-pub fn from_value<T: DeserializeOwned>(
-    value: &serde_json::Value,
-    flavor: Flavor,
-) -> Result<T, ApiError> {
-    serde_path_to_error::deserialize(value).map_err(|e| {
-        let path = e.path().to_string();
-        let inner = e.into_inner();
-        let mut err = if path == "." {
-            ApiError::invalid(format!("invalid request: {inner}"))
-        } else {
-            ApiError::invalid(format!("invalid value for {path}: {inner}")).param(path)
-        };
-        err.flavor = flavor;
-        err
-    })
-}
-
 /// Reads and parses a JSON body: 413 past `limit` bytes, 400 naming the field at fault.
 pub async fn read_json<T: DeserializeOwned>(
     body: Body,
     limit: usize,
     flavor: Flavor,
 ) -> Result<T, ApiError> {
+    let bytes = read_body(body, limit, flavor).await?;
+    parse_json(&bytes, flavor).await
+}
+
+/// A request that two typed parts describe (fields both endpoints share, then the endpoint's
+/// own): each is decoded from the body's bytes, skipping the other's fields. Nothing builds
+/// a tree of the whole body (a `serde_json::Value` costs many times the body's size) or
+/// copies it.
+pub async fn read_json_parts<A: DeserializeOwned, B: DeserializeOwned>(
+    body: Body,
+    limit: usize,
+    flavor: Flavor,
+) -> Result<(A, B), ApiError> {
+    let bytes = read_body(body, limit, flavor).await?;
+    Ok((
+        parse_json(&bytes, flavor).await?,
+        parse_json(&bytes, flavor).await?,
+    ))
+}
+
+/// Reads a request body: 413 past `limit` bytes, 408 when it takes too long to arrive.
+async fn read_body(
+    body: Body,
+    limit: usize,
+    flavor: Flavor,
+) -> Result<axum::body::Bytes, ApiError> {
     // Bytes of bodies being read at once are bounded (each may be up to `limit`), and so is
     // how long one may take to arrive: a client trickling a body holds a buffer, not forever.
     use axum::body::HttpBody;
@@ -138,7 +138,67 @@ pub async fn read_json<T: DeserializeOwned>(
     if bytes.is_empty() {
         return Err(ApiError::invalid("the request body is empty; expected JSON").flavor(flavor));
     }
-    let de = &mut serde_json::Deserializer::from_slice(&bytes);
+    Ok(bytes)
+}
+
+/// JSON values one body may hold. The largest agent requests seen (Claude Code with 27 tools
+/// and a 200K-token history) hold tens of thousands; text of any length is one value.
+pub const MAX_JSON_VALUES: usize = 1_000_000;
+/// What one parsed value may cost in memory where a request keeps it as a JSON tree
+/// (messages, tools): measured 22 bytes for an empty object; rounded up.
+const BYTES_PER_JSON_VALUE: usize = 48;
+/// Memory for JSON trees being built at once, in KiB, apart from the bodies' bytes.
+const PARSE_KIB_IN_FLIGHT: u32 = 512 << 10;
+
+fn parses_in_flight() -> &'static tokio::sync::Semaphore {
+    static IN_FLIGHT: std::sync::OnceLock<tokio::sync::Semaphore> = std::sync::OnceLock::new();
+    IN_FLIGHT.get_or_init(|| tokio::sync::Semaphore::new(PARSE_KIB_IN_FLIGHT as usize))
+}
+
+/// About how many values a JSON text holds: containers and separators outside strings. One
+/// pass over the bytes, so that a body of many tiny values (`[{},{},…]`, tens of bytes of
+/// tree per byte of text) is refused or waits for room before any tree is built.
+fn count_json_values(bytes: &[u8]) -> usize {
+    let (mut n, mut in_string, mut escaped) = (1usize, false, false);
+    for &b in bytes {
+        if in_string {
+            match (escaped, b) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_string = false,
+                _ => {}
+            }
+        } else {
+            match b {
+                b'"' => in_string = true,
+                b'{' | b'[' | b',' => n += 1,
+                _ => {}
+            }
+        }
+    }
+    n
+}
+
+/// Parses a JSON body into `T`: 400 naming the field at fault; 413 past `MAX_JSON_VALUES`.
+/// The memory of trees being built at once is bounded (`PARSE_KIB_IN_FLIGHT`).
+async fn parse_json<T: DeserializeOwned>(bytes: &[u8], flavor: Flavor) -> Result<T, ApiError> {
+    let values = count_json_values(bytes);
+    if values > MAX_JSON_VALUES {
+        return Err(ApiError::new(
+            ErrorKind::TooLarge,
+            format!(
+                "the request body holds about {values} JSON values; at most {MAX_JSON_VALUES} are accepted"
+            ),
+        )
+        .flavor(flavor));
+    }
+    let kib = u32::try_from((values * BYTES_PER_JSON_VALUE).div_ceil(1024).max(1))
+        .unwrap_or(u32::MAX)
+        .min(PARSE_KIB_IN_FLIGHT);
+    let _permit = parses_in_flight().acquire_many(kib).await.map_err(|_| {
+        ApiError::new(ErrorKind::Internal, "the gateway is stopping").flavor(flavor)
+    })?;
+    let de = &mut serde_json::Deserializer::from_slice(bytes);
     serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
@@ -699,4 +759,31 @@ pub fn respond(mut body: serde_json::Value, done: &pb::GenerateDone) -> Response
         response.headers_mut().insert(WARNINGS_HEADER, v);
     }
     response
+}
+
+#[cfg(test)]
+mod body_tests {
+    use super::*;
+
+    #[test]
+    fn json_values_are_counted_outside_strings_only() {
+        assert_eq!(count_json_values(b"{}"), 2);
+        assert_eq!(count_json_values(br#"{"a": [1, 2, 3]}"#), 5);
+        // Brackets and commas inside strings, escaped quotes included, are text.
+        assert_eq!(count_json_values(br#"{"a": "[,{,\",]"}"#), 2);
+        let many: String = format!("[{}]", vec!["{}"; 1000].join(","));
+        assert!(count_json_values(many.as_bytes()) >= 1000);
+    }
+
+    #[tokio::test]
+    async fn a_body_of_too_many_values_is_refused_before_it_is_parsed() {
+        let body = format!("[{}]", vec!["0"; MAX_JSON_VALUES + 1].join(","));
+        let e = parse_json::<serde_json::Value>(body.as_bytes(), Flavor::OpenAi)
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind, ErrorKind::TooLarge);
+        assert!(e.message.contains("JSON values"), "{}", e.message);
+        let fine: serde_json::Value = parse_json(b"[0, 1]", Flavor::OpenAi).await.unwrap();
+        assert_eq!(fine, serde_json::json!([0, 1]));
+    }
 }

@@ -11,7 +11,7 @@ use strata_proto::worker as pb;
 
 use super::error::{ApiError, Flavor};
 use super::generation::{
-    self, Collected, Encoder, Params, PromptPruning, SseEvent, from_value, read_value, response_id,
+    self, Collected, Encoder, Params, PromptPruning, SseEvent, read_json_parts, response_id,
     unix_now,
 };
 use super::images::{self, ImageSource};
@@ -417,7 +417,7 @@ fn rfc3339(unix: u64) -> String {
 }
 
 /// The body of `POST /v1/chat/completions`, for the OpenAPI document (the handler reads the
-/// two parts from one JSON value).
+/// two parts from the same bytes).
 #[derive(Deserialize, utoipa::ToSchema)]
 #[allow(dead_code)]
 pub struct ChatCompletionBody {
@@ -448,9 +448,8 @@ pub async fn chat_completions(
     tenant: Option<Extension<TenantKey>>,
     body: Body,
 ) -> Result<Response, ApiError> {
-    let value = read_value(body, state.max_body_bytes, FLAVOR).await?;
-    let common: Common = from_value(&value, FLAVOR)?;
-    let req: ChatRequest = from_value(&value, FLAVOR)?;
+    let (common, req): (Common, ChatRequest) =
+        read_json_parts(body, state.max_body_bytes, FLAVOR).await?;
     let model = state.registry.resolve(&common.model)?;
     let tool_use = ToolUse::openai(
         req.tools.as_deref(),
@@ -738,9 +737,8 @@ pub async fn completions(
     tenant: Option<Extension<TenantKey>>,
     body: Body,
 ) -> Result<Response, ApiError> {
-    let value = read_value(body, state.max_body_bytes, FLAVOR).await?;
-    let common: Common = from_value(&value, FLAVOR)?;
-    let req: CompletionRequest = from_value(&value, FLAVOR)?;
+    let (common, req): (Common, CompletionRequest) =
+        read_json_parts(body, state.max_body_bytes, FLAVOR).await?;
     let model = state.registry.resolve(&common.model)?;
     if req.echo == Some(true) {
         return Err(ApiError::invalid("echo is not supported").param("echo"));
