@@ -24,7 +24,7 @@ import anthropic
 import openai
 import pytest
 
-from test_api import MODEL, running_cluster
+from test_api import MODEL, config_cluster, pick_port, running_cluster
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "services/worker/tests/fixtures/vlm"
@@ -269,3 +269,43 @@ def test_image_errors_are_clear_in_each_apis_shape(oai, claude, cluster):
     # Every process is still up.
     status, health = cluster.health()
     assert status == 200, health
+
+
+def test_decoding_an_image_is_counted_in_memory_admission(bin_dir, tmp_path):
+    # A 560 MiB budget leaves about 280 MiB next to the model. A 7000 x 7000 PNG (150 KB on
+    # the wire, 49 megapixels: under the pixel cap) needs ~330 MiB to decode and resize: it
+    # is refused from its header with the numbers, before anything is decoded. The fixture
+    # image, and the worker, are fine after it.
+    port = pick_port()
+    text = f"""
+bind = "127.0.0.1:{port}"
+run_dir = "{tmp_path / 'run'}"
+
+[cache]
+dir = "{tmp_path / 'kv'}"
+
+[[models]]
+id = "{VLM}"
+kind = "vlm"
+path = "{FIXTURES / VLM}"
+pinned = true
+memory_budget = "560MiB"
+"""
+    with config_cluster(bin_dir, tmp_path, port, text) as c:
+        oai = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        pid = c.health()[1]["children"][-1]["pid"]
+
+        def ask(url):
+            return oai.chat.completions.create(
+                model=VLM, max_tokens=4, temperature=0,
+                messages=[{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": "hi"}]}])
+        with pytest.raises(openai.APIStatusError) as e:
+            ask(png_url(7000, 7000))
+        assert e.value.status_code == 413, e.value
+        message = str(e.value.body)
+        assert "image 1 needs about" in message and "to decode" in message, message
+        assert e.value.body.get("code") == "memory_budget_exceeded", e.value.body
+        assert ask(data_url("image_a.png")).choices[0].message.content is not None
+        assert c.health()[1]["children"][-1]["pid"] == pid

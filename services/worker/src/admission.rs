@@ -158,6 +158,45 @@ impl Admission {
         })
     }
 
+    /// Reserves `bytes` of transient memory (decoding a request's images) for as long as the
+    /// guard lives, under the same budget as the requests' KV: `Decode` when it cannot fit
+    /// even alone, `Busy` when it cannot fit now.
+    pub fn reserve_bytes(&self, bytes: u64, what: &str) -> Result<Reservation, Refusal> {
+        let none = Reservation {
+            reserved: self.reserved.clone(),
+            bytes: 0,
+        };
+        if self.skipped || bytes == 0 {
+            return Ok(none);
+        }
+        let left = self.budget_bytes.saturating_sub(self.baseline_bytes);
+        if bytes > left {
+            return Err(Refusal::Decode {
+                what: what.to_string(),
+                need_mib: bytes.div_ceil(1 << 20),
+                left_mib: left >> 20,
+            });
+        }
+        let taken = self
+            .reserved
+            .fetch_update(
+                std::sync::atomic::Ordering::AcqRel,
+                std::sync::atomic::Ordering::Acquire,
+                |r| (r + bytes <= left).then_some(r + bytes),
+            )
+            .is_ok();
+        if !taken {
+            return Err(Refusal::Busy {
+                need_mib: bytes.div_ceil(1 << 20),
+                reserved_mib: self.reserved.load(std::sync::atomic::Ordering::Acquire) >> 20,
+            });
+        }
+        Ok(Reservation {
+            reserved: self.reserved.clone(),
+            bytes,
+        })
+    }
+
     pub fn reserved_bytes(&self) -> u64 {
         self.reserved.load(std::sync::atomic::Ordering::Acquire)
     }
@@ -186,9 +225,18 @@ pub enum Refusal {
         "the worker's memory is taken by running requests ({reserved_mib} MiB reserved; this one needs {need_mib} MiB); retry shortly"
     )]
     Busy { need_mib: u64, reserved_mib: u64 },
+    #[error(
+        "{what} needs about {need_mib} MiB to decode, but the worker's memory budget leaves {left_mib} MiB next to the model; send a smaller image"
+    )]
+    Decode {
+        what: String,
+        need_mib: u64,
+        left_mib: u64,
+    },
 }
 
 /// Memory held for a running request; given back when dropped.
+#[derive(Debug)]
 pub struct Reservation {
     reserved: std::sync::Arc<std::sync::atomic::AtomicU64>,
     bytes: u64,
@@ -249,5 +297,25 @@ mod tests {
         drop(held);
         assert_eq!(a.reserved_bytes(), 0);
         assert!(a.reserve(2000, 2000).is_ok());
+    }
+
+    #[test]
+    fn decoding_an_image_is_admitted_against_the_same_budget() {
+        let a = admission(1 << 30);
+        // 524 MiB left next to the model: a 50-megapixel decode (~350 MiB) fits alone...
+        let image = 50_000_000 * 7;
+        let decoding = a.reserve_bytes(image, "image 1").unwrap();
+        // ...not twice at once, and not next to requests holding the rest.
+        assert!(matches!(
+            a.reserve_bytes(image, "image 1"),
+            Err(Refusal::Busy { .. })
+        ));
+        drop(decoding);
+        assert_eq!(a.reserved_bytes(), 0);
+        let e = a.reserve_bytes(600 << 20, "image 3").unwrap_err();
+        assert!(matches!(e, Refusal::Decode { .. }));
+        let msg = e.to_string();
+        assert!(msg.contains("image 3") && msg.contains("600 MiB"), "{msg}");
+        assert!(a.reserve_bytes(0, "no image").is_ok());
     }
 }

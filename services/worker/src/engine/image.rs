@@ -73,6 +73,22 @@ impl ClipPreprocess {
         Ok(Array::from_slice(&values, &shape))
     }
 
+    /// What decoding and resizing `encoded` costs in memory at its peak, from its header
+    /// alone (for admission): the decoder's buffer (at most 4 bytes a pixel, as `limits`
+    /// bounds it), its RGB copy, and the resized image. Refuses what `pixel_values` would.
+    pub fn decode_bytes(&self, encoded: &[u8]) -> Result<u64> {
+        let (w, h) = image::ImageReader::new(std::io::Cursor::new(encoded))
+            .with_guessed_format()
+            .map_err(|e| EngineError::InvalidRequest(format!("cannot read the image: {e}")))?
+            .into_dimensions()
+            .map_err(|e| EngineError::InvalidRequest(format!("cannot decode the image: {e}")))?;
+        check_dimensions(w, h)?;
+        let pixels = u64::from(w) * u64::from(h);
+        let short = u64::from(self.size.shortest_edge);
+        let resized = short * short * u64::from(w.max(h)) / u64::from(w.min(h)) * 3;
+        Ok(pixels * 4 + pixels * 3 + resized)
+    }
+
     /// `pixels` as plain values and their shape (for other threads: MLX arrays stay on theirs).
     pub fn pixel_values(&self, encoded: &[u8]) -> Result<(Vec<f32>, [i32; 4])> {
         let bad = |why: String| EngineError::InvalidRequest(why);

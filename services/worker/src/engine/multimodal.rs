@@ -102,6 +102,11 @@ impl ImageInput {
         }
     }
 
+    /// The peak memory of decoding `encoded`, from its header.
+    pub fn decode_bytes(&self, encoded: &[u8]) -> Result<u64> {
+        self.preprocess.decode_bytes(encoded)
+    }
+
     /// Decodes and preprocesses an encoded image (PNG, JPEG).
     pub fn image(&self, encoded: &[u8]) -> Result<PromptImage> {
         let (pixels, shape) = self.preprocess.pixel_values(encoded)?;

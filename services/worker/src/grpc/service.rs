@@ -208,6 +208,26 @@ impl Serving {
                         ..Tokenized::text(text, ids)
                     });
                 };
+                // Images are decoded one after another: the largest one's decode is what
+                // admission must hold room for while they are.
+                let mut largest = (0, 0);
+                for (i, bytes) in chat.images.iter().enumerate() {
+                    let cost = input.decode_bytes(bytes).map_err(|e| {
+                        Status::invalid_argument(format!("image {}: {}", i + 1, engine_message(e)))
+                    })?;
+                    if cost > largest.1 {
+                        largest = (i, cost);
+                    }
+                }
+                let _decoding = self
+                    .admission
+                    .reserve_bytes(largest.1, &format!("image {}", largest.0 + 1))
+                    .map_err(|e| match e {
+                        crate::admission::Refusal::Busy { .. } => {
+                            Status::resource_exhausted(e.to_string())
+                        }
+                        _ => Status::failed_precondition(e.to_string()),
+                    })?;
                 let images = chat
                     .images
                     .iter()
@@ -483,12 +503,10 @@ impl Worker for WorkerService {
             .map_err(|e| {
                 tracing::warn!(request_id, "refused: {e}");
                 match e {
-                    crate::admission::Refusal::TooBig(_) => {
-                        Status::failed_precondition(e.to_string())
-                    }
                     crate::admission::Refusal::Busy { .. } => {
                         Status::resource_exhausted(e.to_string())
                     }
+                    _ => Status::failed_precondition(e.to_string()),
                 }
             })?;
         // A pruned prompt's KV is not the prompt's KV: it neither reads nor feeds the cache.
