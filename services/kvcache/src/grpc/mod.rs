@@ -20,8 +20,8 @@ use crate::store::Store;
 
 /// Bounds on one request, so that a bad client cannot make the service allocate without limit.
 pub const MAX_KEYS_PER_REQUEST: usize = 65_536;
-/// Largest message (one block) accepted or sent.
-pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
+/// Largest message (one block) accepted or sent; the client's own bound.
+pub use strata_kvblock::client::MAX_MESSAGE_BYTES;
 /// Blocks read ahead of the one being sent in a Fetch.
 const FETCH_AHEAD: usize = 4;
 

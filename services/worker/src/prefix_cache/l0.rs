@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use prost::bytes::Bytes;
-use strata_kvcache::block::{BlockKey, Continuation};
+use strata_kvblock::block::{BlockKey, Continuation};
 
 struct Entry {
     bytes: Bytes,
@@ -132,7 +132,7 @@ impl L0 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use strata_kvcache::block::root_of;
+    use strata_kvblock::block::root_of;
 
     /// A 30-byte block whose bytes name it.
     fn block(tag: u8) -> Bytes {

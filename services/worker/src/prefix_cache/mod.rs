@@ -16,8 +16,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use prost::bytes::Bytes;
-use strata_kvcache::block::{BlockKey, Continuation, make_block_of, root_of};
-use strata_kvcache::client::CacheClient;
+use strata_kvblock::block::{BlockKey, Continuation, make_block_of, root_of};
+use strata_kvblock::client::CacheClient;
 use strata_proto::kvcache::{Block, LookupRequest, Tier};
 use tokio::sync::mpsc;
 

@@ -6,8 +6,8 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use prost::bytes::Bytes;
-use strata_kvcache::block::{BlockKey, root_of};
-use strata_kvcache::client::CacheClient;
+use strata_kvblock::block::{BlockKey, root_of};
+use strata_kvblock::client::CacheClient;
 use strata_proto::kvcache::{Block, Tier};
 use tokio::sync::mpsc;
 use tracing::Instrument;

@@ -13,6 +13,9 @@ use tonic::transport::Channel;
 
 use crate::block::{self, BlockKey};
 
+/// Largest message (one block) the service accepts or sends, and so the client too.
+pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
+
 /// Files read at once by one fetch.
 const PARALLEL_FILE_READS: usize = 4;
 
@@ -32,8 +35,8 @@ pub struct CacheClient {
 impl CacheClient {
     pub fn connect(socket: &Path, connect_timeout: Duration) -> Self {
         let rpc = KvCacheClient::new(strata_runtime::uds::channel(socket, connect_timeout))
-            .max_decoding_message_size(crate::grpc::MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(crate::grpc::MAX_MESSAGE_BYTES);
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES);
         Self { rpc }
     }
 
