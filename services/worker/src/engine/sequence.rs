@@ -431,7 +431,8 @@ impl Sequence {
         let b = self.block;
         let held = self.cache.len();
         let done = held / b;
-        if done <= self.stored_blocks {
+        // Nothing was generated into the KV beyond the prompt: the prefill stored it all.
+        if held <= self.cache_tokens.len() {
             return Ok(());
         }
         let all: Vec<u32> = self
@@ -449,6 +450,16 @@ impl Sequence {
                 bytes: self.cache.export(i * b, (i + 1) * b)?,
             });
             self.stored_blocks += 1;
+        }
+        // The partial tail with the answer in it: a chat's next turn resends the answer, and
+        // resumes after it (at token granularity) instead of recomputing it.
+        let tail_start = done * b;
+        if held > tail_start {
+            sink(FinishedBlock {
+                index: done,
+                tokens: all[tail_start..held].to_vec(),
+                bytes: self.cache.export(tail_start, held)?,
+            });
         }
         Ok(())
     }
