@@ -159,9 +159,13 @@ fn blocks_of_generated_tokens_are_stored_only_when_opted_in() {
     };
     let (g2, blocks) = run(&m, &req, &on, &[]);
     assert_eq!(g2.tokens, g.tokens, "storing changes nothing in the output");
-    assert_eq!(shape(&blocks), [(0, 239), (0, 256)]);
+    // The whole first block, then the partial tail holding the rest of the answer: every
+    // generated token whose KV was computed (all but the last, never fed).
+    let held = 240 + 40 - 1;
+    assert_eq!(shape(&blocks), [(0, 239), (0, 256), (1, held - BLOCK)]);
     let all: Vec<u32> = req.prompt.iter().chain(&g.tokens).copied().collect();
     assert_eq!(blocks[1].tokens, all[..BLOCK]);
+    assert_eq!(blocks[2].tokens, all[BLOCK..held]);
     assert_eq!(
         blocks[1].bytes.len(),
         BLOCK * m.model.kv_layout().bytes_per_token()
