@@ -100,6 +100,25 @@ def config_cluster(bin_dir, tmp, port, config_text, env=None):
         stop_cluster(c)
 
 
+def one_model_config(tmp, port, model_id, path, top="", model=""):
+    """strata.toml text for one pinned model on `port`, run_dir tmp/run and the cache in
+    tmp/kv: `top` adds top-level settings, `model` settings of the model."""
+    return f"""
+bind = "127.0.0.1:{port}"
+run_dir = "{tmp / 'run'}"
+{top}
+
+[cache]
+dir = "{tmp / 'kv'}"
+
+[[models]]
+id = "{model_id}"
+path = "{path}"
+pinned = true
+{model}
+"""
+
+
 def stop_cluster(cluster):
     if cluster.proc.poll() is None:
         cluster.proc.send_signal(signal.SIGTERM)

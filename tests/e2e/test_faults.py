@@ -19,7 +19,8 @@ import anthropic
 import openai
 import pytest
 
-from test_api import MODEL, Cluster, config_cluster, pick_port, running_cluster, stop_cluster
+from test_api import (MODEL, Cluster, config_cluster, one_model_config, pick_port,
+                      running_cluster, stop_cluster)
 
 # About 600 tokens: two whole 256-token blocks and a tail.
 PREFIX = " ".join(f"Clause {i}: the archive keeps every record it is given." for i in range(50))
@@ -304,19 +305,8 @@ def test_request_timeout_bounds_the_whole_generation(bin_dir, default_model, tmp
     # request_timeout_secs = 3 and a generation of 3000 tokens (minutes on this CPU): cut at
     # 3 s in both shapes, the worker cancels it and serves the next request.
     port = pick_port()
-    text = f"""
-bind = "127.0.0.1:{port}"
-run_dir = "{tmp_path / 'run'}"
-request_timeout_secs = 3
-
-[cache]
-dir = "{tmp_path / 'kv'}"
-
-[[models]]
-id = "{MODEL}"
-path = "{default_model}"
-pinned = true
-"""
+    text = one_model_config(tmp_path, port, MODEL, default_model,
+                            top="request_timeout_secs = 3")
     with config_cluster(bin_dir, tmp_path, port, text) as c:
         oai = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0, timeout=60)
         long = dict(model=MODEL, max_tokens=3000, temperature=0, extra_body={"ignore_eos": True},
@@ -344,18 +334,7 @@ def test_a_stopping_cluster_stores_the_blocks_its_workers_still_hold(bin_dir, de
     # ordered shutdown the cache service stopped together with the worker and they were lost:
     # the next start had nothing. Now the worker drains its queue into the service, and only
     # then does the gateway stop the service.
-    text_for = lambda port: f"""
-bind = "127.0.0.1:{port}"
-run_dir = "{tmp_path / 'run'}"
-
-[cache]
-dir = "{tmp_path / 'kv'}"
-
-[[models]]
-id = "{MODEL}"
-path = "{default_model}"
-pinned = true
-"""
+    text_for = lambda port: one_model_config(tmp_path, port, MODEL, default_model)
     ask = messages("Summarise the clauses in one sentence.")
     env = dict(os.environ, STRATA_TEST_STORE_DELAY_MS="3000")
     port = pick_port()
@@ -390,18 +369,7 @@ def test_a_trickled_body_and_a_client_that_stops_reading_are_cut_and_stall_nothi
     # starts a long stream and never reads it (a 2 KiB receive buffer, so the gateway's send
     # buffer and its 32-event queue fill). Meanwhile, and after, other requests are served.
     port = pick_port()
-    text = f"""
-bind = "127.0.0.1:{port}"
-run_dir = "{tmp_path / 'run'}"
-
-[cache]
-dir = "{tmp_path / 'kv'}"
-
-[[models]]
-id = "{MODEL}"
-path = "{default_model}"
-pinned = true
-"""
+    text = one_model_config(tmp_path, port, MODEL, default_model)
     env = dict(os.environ, STRATA_TEST_BODY_TIMEOUT_MS="2000", STRATA_TEST_STALL_TIMEOUT_MS="2000")
     with config_cluster(bin_dir, tmp_path, port, text, env=env) as c:
         oai = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0, timeout=120)

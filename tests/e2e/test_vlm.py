@@ -24,7 +24,7 @@ import anthropic
 import openai
 import pytest
 
-from test_api import MODEL, config_cluster, pick_port, running_cluster
+from test_api import MODEL, config_cluster, one_model_config, pick_port, running_cluster
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "services/worker/tests/fixtures/vlm"
@@ -277,20 +277,8 @@ def test_decoding_an_image_is_counted_in_memory_admission(bin_dir, tmp_path):
     # is refused from its header with the numbers, before anything is decoded. The fixture
     # image, and the worker, are fine after it.
     port = pick_port()
-    text = f"""
-bind = "127.0.0.1:{port}"
-run_dir = "{tmp_path / 'run'}"
-
-[cache]
-dir = "{tmp_path / 'kv'}"
-
-[[models]]
-id = "{VLM}"
-kind = "vlm"
-path = "{FIXTURES / VLM}"
-pinned = true
-memory_budget = "560MiB"
-"""
+    text = one_model_config(tmp_path, port, VLM, FIXTURES / VLM,
+                            model='kind = "vlm"\nmemory_budget = "560MiB"')
     with config_cluster(bin_dir, tmp_path, port, text) as c:
         oai = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0, timeout=120)
         pid = c.health()[1]["children"][-1]["pid"]

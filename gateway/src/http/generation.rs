@@ -88,10 +88,9 @@ pub async fn read_json_parts<A: DeserializeOwned, B: DeserializeOwned>(
     flavor: Flavor,
 ) -> Result<(A, B), ApiError> {
     let bytes = read_body(body, limit, flavor).await?;
-    Ok((
-        parse_json(&bytes, flavor).await?,
-        parse_json(&bytes, flavor).await?,
-    ))
+    // Counted and admitted once; each part skips the other's fields.
+    let _room = room_to_parse(&bytes, flavor).await?;
+    Ok((decode_json(&bytes, flavor)?, decode_json(&bytes, flavor)?))
 }
 
 /// Reads a request body: 413 past `limit` bytes, 408 when it takes too long to arrive.
@@ -182,6 +181,16 @@ fn count_json_values(bytes: &[u8]) -> usize {
 /// Parses a JSON body into `T`: 400 naming the field at fault; 413 past `MAX_JSON_VALUES`.
 /// The memory of trees being built at once is bounded (`PARSE_KIB_IN_FLIGHT`).
 async fn parse_json<T: DeserializeOwned>(bytes: &[u8], flavor: Flavor) -> Result<T, ApiError> {
+    let _room = room_to_parse(bytes, flavor).await?;
+    decode_json(bytes, flavor)
+}
+
+/// Counts the body's JSON values (413 past `MAX_JSON_VALUES`) and waits for room for their
+/// trees; held while the body is decoded.
+async fn room_to_parse(
+    bytes: &[u8],
+    flavor: Flavor,
+) -> Result<tokio::sync::SemaphorePermit<'static>, ApiError> {
     let values = count_json_values(bytes);
     if values > MAX_JSON_VALUES {
         return Err(ApiError::new(
@@ -195,9 +204,14 @@ async fn parse_json<T: DeserializeOwned>(bytes: &[u8], flavor: Flavor) -> Result
     let kib = u32::try_from((values * BYTES_PER_JSON_VALUE).div_ceil(1024).max(1))
         .unwrap_or(u32::MAX)
         .min(PARSE_KIB_IN_FLIGHT);
-    let _permit = parses_in_flight().acquire_many(kib).await.map_err(|_| {
-        ApiError::new(ErrorKind::Internal, "the gateway is stopping").flavor(flavor)
-    })?;
+    parses_in_flight()
+        .acquire_many(kib)
+        .await
+        .map_err(|_| ApiError::new(ErrorKind::Internal, "the gateway is stopping").flavor(flavor))
+}
+
+/// Decodes `T` from JSON bytes, naming the field at fault.
+fn decode_json<T: DeserializeOwned>(bytes: &[u8], flavor: Flavor) -> Result<T, ApiError> {
     let de = &mut serde_json::Deserializer::from_slice(bytes);
     serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();

@@ -129,45 +129,20 @@ impl Admission {
     /// would fit alone but not next to the requests running now (retry later).
     pub fn reserve(&self, prompt_tokens: usize, max_tokens: usize) -> Result<Reservation, Refusal> {
         if self.skipped {
-            return Ok(Reservation {
-                reserved: self.reserved.clone(),
-                bytes: 0,
-            });
+            return Ok(self.held(0));
         }
         let need = self
             .check(prompt_tokens, max_tokens)
             .map_err(Refusal::TooBig)?;
-        let left = self.budget_bytes.saturating_sub(self.baseline_bytes);
-        let taken = self
-            .reserved
-            .fetch_update(
-                std::sync::atomic::Ordering::AcqRel,
-                std::sync::atomic::Ordering::Acquire,
-                |r| (r + need <= left).then_some(r + need),
-            )
-            .is_ok();
-        if !taken {
-            return Err(Refusal::Busy {
-                need_mib: need >> 20,
-                reserved_mib: self.reserved.load(std::sync::atomic::Ordering::Acquire) >> 20,
-            });
-        }
-        Ok(Reservation {
-            reserved: self.reserved.clone(),
-            bytes: need,
-        })
+        self.take(need)
     }
 
     /// Reserves `bytes` of transient memory (decoding a request's images) for as long as the
     /// guard lives, under the same budget as the requests' KV: `Decode` when it cannot fit
     /// even alone, `Busy` when it cannot fit now.
     pub fn reserve_bytes(&self, bytes: u64, what: &str) -> Result<Reservation, Refusal> {
-        let none = Reservation {
-            reserved: self.reserved.clone(),
-            bytes: 0,
-        };
         if self.skipped || bytes == 0 {
-            return Ok(none);
+            return Ok(self.held(0));
         }
         let left = self.budget_bytes.saturating_sub(self.baseline_bytes);
         if bytes > left {
@@ -177,6 +152,12 @@ impl Admission {
                 left_mib: left >> 20,
             });
         }
+        self.take(bytes)
+    }
+
+    /// Takes `bytes` from what the running requests leave of the budget, or `Busy`.
+    fn take(&self, bytes: u64) -> Result<Reservation, Refusal> {
+        let left = self.budget_bytes.saturating_sub(self.baseline_bytes);
         let taken = self
             .reserved
             .fetch_update(
@@ -191,10 +172,14 @@ impl Admission {
                 reserved_mib: self.reserved.load(std::sync::atomic::Ordering::Acquire) >> 20,
             });
         }
-        Ok(Reservation {
+        Ok(self.held(bytes))
+    }
+
+    fn held(&self, bytes: u64) -> Reservation {
+        Reservation {
             reserved: self.reserved.clone(),
             bytes,
-        })
+        }
     }
 
     pub fn reserved_bytes(&self) -> u64 {
