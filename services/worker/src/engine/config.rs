@@ -6,25 +6,145 @@ use super::{EngineError, Result};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Architecture {
-    /// Llama and its descendants (SmolLM2): no attention biases.
+    /// Llama 1-3.x and its descendants (SmolLM2): biases only where the file has them.
     Llama,
+    /// Mistral: a Llama by another name (mlx-lm maps it to its Llama code too).
+    Mistral,
     /// Qwen2 / Qwen2.5: Llama plus biases on the q/k/v projections.
     Qwen2,
+    /// Qwen3 (dense): an RMSNorm over each query and key head before RoPE, no biases.
+    Qwen3,
+    /// Phi-3 / Phi-4-mini: q/k/v and gate/up fused into one projection each on disk, partial
+    /// rotary embeddings.
+    Phi3,
+    /// SmolLM3: Llama whose `no_rope_layers` run attention without positions (NoPE).
+    SmolLm3,
 }
 
 impl Architecture {
     pub fn parse(name: &str) -> Result<Self> {
         match name {
             "llama" | "LlamaForCausalLM" => Ok(Self::Llama),
+            "mistral" | "MistralForCausalLM" => Ok(Self::Mistral),
             "qwen2" | "Qwen2ForCausalLM" => Ok(Self::Qwen2),
-            other => Err(EngineError::UnknownArchitecture(other.to_string())),
+            "qwen3" | "Qwen3ForCausalLM" => Ok(Self::Qwen3),
+            "phi3" | "Phi3ForCausalLM" => Ok(Self::Phi3),
+            "smollm3" | "SmolLM3ForCausalLM" => Ok(Self::SmolLm3),
+            other => Err(EngineError::UnknownArchitecture(format!(
+                "{other} (supported: llama, mistral, qwen2, qwen3, phi3, smollm3)"
+            ))),
         }
     }
 
     pub fn name(self) -> &'static str {
         match self {
             Self::Llama => "llama",
+            Self::Mistral => "mistral",
             Self::Qwen2 => "qwen2",
+            Self::Qwen3 => "qwen3",
+            Self::Phi3 => "phi3",
+            Self::SmolLm3 => "smollm3",
+        }
+    }
+
+    /// Query and key heads pass through an RMSNorm of their own before RoPE.
+    pub fn has_qk_norm(self) -> bool {
+        self == Self::Qwen3
+    }
+}
+
+/// How positions are turned into rotation angles: the frequency of rotary pair `i` is
+/// `theta^(-2i/dims)`, then one of these rescalings (Hugging Face's `rope_scaling`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    None,
+    /// Positions divided by `factor`.
+    Linear {
+        factor: f32,
+    },
+    /// Llama 3.x: low frequencies slowed by `factor`, high ones kept, a smooth ramp between
+    /// the wavelengths `original_context / low_freq_factor` and `/ high_freq_factor`.
+    Llama3 {
+        factor: f32,
+        low_freq_factor: f32,
+        high_freq_factor: f32,
+        original_context: f32,
+    },
+    /// Phi-3's "longrope" (also "su"): each pair's wavelength stretched by its own factor, and
+    /// the rotated part of q and k scaled by `mscale`. Like mlx-lm, the long factors serve every
+    /// length (mlx-lm's `SuScaledRoPE`); Hugging Face switches to the short ones below
+    /// `original_max_position_embeddings`. GGUF Llama 3.1+ files' `rope_freqs` are the same
+    /// per-pair factors with `mscale` 1.
+    LongRope {
+        long_factor: Vec<f32>,
+        mscale: f32,
+    },
+}
+
+impl RopeScaling {
+    /// Per-pair inverse frequencies' reciprocals (what MLX's `rope` takes as `freqs`: the
+    /// period divisor of pair i is `freqs[i]`, angle = position / freqs[i]), or `None` when a
+    /// plain base and scale describe it.
+    pub fn custom_periods(&self, theta: f32, dims: usize) -> Option<Vec<f32>> {
+        let base = |i: usize| (theta as f64).powf(2.0 * i as f64 / dims as f64);
+        let pairs = dims / 2;
+        match self {
+            Self::None | Self::Linear { .. } => None,
+            Self::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_context,
+            } => {
+                let (factor, low, high, context) = (
+                    *factor as f64,
+                    *low_freq_factor as f64,
+                    *high_freq_factor as f64,
+                    *original_context as f64,
+                );
+                let (long_wavelength, short_wavelength) = (context / low, context / high);
+                Some(
+                    (0..pairs)
+                        .map(|i| {
+                            let period = base(i);
+                            let wavelength = 2.0 * std::f64::consts::PI * period;
+                            let period = if wavelength > long_wavelength {
+                                period * factor
+                            } else {
+                                period
+                            };
+                            let medium =
+                                wavelength > short_wavelength && wavelength < long_wavelength;
+                            if !medium {
+                                return period as f32;
+                            }
+                            let smooth = (context / wavelength - low) / (high - low);
+                            (period / ((1.0 - smooth) / factor + smooth)) as f32
+                        })
+                        .collect(),
+                )
+            }
+            Self::LongRope { long_factor, .. } => Some(
+                (0..pairs)
+                    .map(|i| (base(i) * long_factor.get(i).copied().unwrap_or(1.0) as f64) as f32)
+                    .collect(),
+            ),
+        }
+    }
+
+    /// MLX's `rope` scale argument: positions are multiplied by it.
+    pub fn position_scale(&self) -> f32 {
+        match self {
+            Self::Linear { factor } => 1.0 / factor,
+            _ => 1.0,
+        }
+    }
+
+    /// The factor on the rotated dimensions of q and k before rotation.
+    pub fn input_scale(&self) -> f32 {
+        match self {
+            Self::LongRope { mscale, .. } => *mscale,
+            _ => 1.0,
         }
     }
 }
@@ -41,8 +161,12 @@ pub struct ModelConfig {
     pub vocab_size: usize,
     pub rms_norm_eps: f32,
     pub rope_theta: f32,
-    /// Linear RoPE scaling factor (1.0 = none); positions are divided by it.
-    pub rope_linear_factor: f32,
+    pub rope_scaling: RopeScaling,
+    /// How many leading dimensions of each head RoPE rotates (all of them but in Phi's partial
+    /// rotary models).
+    pub rope_dims: usize,
+    /// Layers whose attention has no positions at all (SmolLM3's NoPE layers).
+    pub no_rope_layers: Vec<usize>,
     /// True when rotary pairs are adjacent dimensions (2i, 2i+1), as in GGUF Llama files whose
     /// q/k rows llama.cpp's converter permuted; false for the rotate-half layout of Hugging
     /// Face checkpoints and of Qwen2 everywhere.
@@ -71,6 +195,27 @@ impl ModelConfig {
         }
         if self.context_length == 0 {
             return bad("context length 0".into());
+        }
+        if self.rope_dims == 0
+            || self.rope_dims > self.head_dim
+            || !self.rope_dims.is_multiple_of(2)
+        {
+            return bad(format!(
+                "RoPE over {} of {} head dimensions (must be even and at most all)",
+                self.rope_dims, self.head_dim
+            ));
+        }
+        if let RopeScaling::LongRope { long_factor, .. } = &self.rope_scaling
+            && long_factor.len() != self.rope_dims / 2
+        {
+            return bad(format!(
+                "longrope has {} factors for {} rotary pairs",
+                long_factor.len(),
+                self.rope_dims / 2
+            ));
+        }
+        if let Some(&layer) = self.no_rope_layers.iter().find(|&&l| l >= self.num_layers) {
+            return bad(format!("no-RoPE layer {layer} past the last layer"));
         }
         Ok(())
     }
@@ -105,6 +250,18 @@ pub struct HfConfig {
     pub tie_word_embeddings: bool,
     /// mlx-lm's quantised layout: `{"group_size": 64, "bits": 4}`.
     pub quantization: Option<HfQuantization>,
+    /// Phi's share of each head that RoPE rotates.
+    pub partial_rotary_factor: Option<f32>,
+    /// Phi-3's pre-extension context, the reference for longrope's mscale.
+    pub original_max_position_embeddings: Option<usize>,
+    /// SmolLM3: one flag per layer, 1 = RoPE, 0 = NoPE (Hugging Face's naming).
+    pub no_rope_layers: Option<Vec<u8>>,
+    /// SmolLM3: without `no_rope_layers`, every `interval`-th layer is NoPE.
+    pub no_rope_layer_interval: Option<usize>,
+    /// Sliding-window attention (Mistral v0.1, Qwen2 with `use_sliding_window`, Gemma).
+    pub sliding_window: Option<serde_json::Value>,
+    #[serde(default)]
+    pub use_sliding_window: Option<bool>,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]
@@ -131,27 +288,12 @@ impl HfConfig {
             .or_else(|| self.architectures.first().cloned())
             .ok_or_else(|| EngineError::MissingMetadata("config.json model_type".into()))?;
         let arch = Architecture::parse(&arch_name)?;
-        let rope_linear_factor = match &self.rope_scaling {
-            None | Some(serde_json::Value::Null) => 1.0,
-            Some(v) => {
-                let kind = v
-                    .get("type")
-                    .or_else(|| v.get("rope_type"))
-                    .and_then(|t| t.as_str());
-                match kind {
-                    Some("linear") => v
-                        .get("factor")
-                        .and_then(|f| f.as_f64())
-                        .map(|f| f as f32)
-                        .ok_or_else(|| EngineError::Config("rope_scaling without factor".into()))?,
-                    Some("default") | None => 1.0,
-                    Some(other) => {
-                        return Err(EngineError::Config(format!(
-                            "unsupported rope_scaling type {other:?} (supported: linear)"
-                        )));
-                    }
-                }
-            }
+        let head_dim = self
+            .head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1));
+        let rope_dims = match self.partial_rotary_factor {
+            Some(share) if arch == Architecture::Phi3 => (head_dim as f32 * share) as usize,
+            _ => head_dim,
         };
         let config = ModelConfig {
             arch,
@@ -160,17 +302,251 @@ impl HfConfig {
             num_layers: self.num_hidden_layers,
             num_heads: self.num_attention_heads,
             num_kv_heads: self.num_key_value_heads.unwrap_or(self.num_attention_heads),
-            head_dim: self
-                .head_dim
-                .unwrap_or(self.hidden_size / self.num_attention_heads.max(1)),
+            head_dim,
             vocab_size: self.vocab_size,
             rms_norm_eps: self.rms_norm_eps,
             rope_theta: self.rope_theta,
-            rope_linear_factor,
+            rope_scaling: self.rope_scaling()?,
+            rope_dims,
+            no_rope_layers: self.no_rope_layers(arch),
             rope_traditional: false,
-            context_length: self.max_position_embeddings,
+            context_length: self.usable_context(arch),
         };
         config.validate()?;
         Ok(config)
+    }
+
+    /// Hugging Face's `rope_scaling` as one of the schemes the decoder implements; anything
+    /// else is refused by name rather than run with the wrong positions.
+    fn rope_scaling(&self) -> Result<RopeScaling> {
+        let Some(v) = self.rope_scaling.as_ref().filter(|v| !v.is_null()) else {
+            return Ok(RopeScaling::None);
+        };
+        let kind = v
+            .get("type")
+            .or_else(|| v.get("rope_type"))
+            .and_then(|t| t.as_str())
+            .unwrap_or("default");
+        let number = |key: &str| v.get(key).and_then(|f| f.as_f64()).map(|f| f as f32);
+        let required = |key: &str| {
+            number(key).ok_or_else(|| {
+                EngineError::Config(format!("rope_scaling {kind:?} without a number {key:?}"))
+            })
+        };
+        match kind {
+            "default" => Ok(RopeScaling::None),
+            "linear" => Ok(RopeScaling::Linear {
+                factor: required("factor")?,
+            }),
+            "llama3" => Ok(RopeScaling::Llama3 {
+                factor: required("factor")?,
+                low_freq_factor: number("low_freq_factor").unwrap_or(1.0),
+                high_freq_factor: number("high_freq_factor").unwrap_or(4.0),
+                original_context: number("original_max_position_embeddings").unwrap_or(8192.0),
+            }),
+            "longrope" | "su" => {
+                let long_factor: Vec<f32> = v
+                    .get("long_factor")
+                    .and_then(|f| f.as_array())
+                    .map(|list| {
+                        list.iter()
+                            .filter_map(|x| x.as_f64())
+                            .map(|x| x as f32)
+                            .collect()
+                    })
+                    .ok_or_else(|| {
+                        EngineError::Config("longrope rope_scaling without long_factor".into())
+                    })?;
+                let original = self
+                    .original_max_position_embeddings
+                    .map(|n| n as f32)
+                    .or_else(|| number("original_max_position_embeddings"))
+                    .unwrap_or(4096.0);
+                // The attention-temperature correction of the extended context (Phi-3's
+                // paper; mlx-lm's default when the file gives no `long_mscale`).
+                let stretch = self.max_position_embeddings as f32 / original;
+                let mscale = number("long_mscale").unwrap_or(if stretch > 1.0 {
+                    (1.0 + stretch.ln() / original.ln()).sqrt()
+                } else {
+                    1.0
+                });
+                Ok(RopeScaling::LongRope {
+                    long_factor,
+                    mscale,
+                })
+            }
+            other => Err(EngineError::Config(format!(
+                "unsupported rope_scaling type {other:?} (supported: default, linear, llama3, \
+                 longrope)"
+            ))),
+        }
+    }
+
+    /// SmolLM3's NoPE layers as indices; other families rotate every layer.
+    fn no_rope_layers(&self, arch: Architecture) -> Vec<usize> {
+        if arch != Architecture::SmolLm3 {
+            return Vec::new();
+        }
+        match &self.no_rope_layers {
+            Some(flags) => flags
+                .iter()
+                .enumerate()
+                .filter(|(_, uses_rope)| **uses_rope == 0)
+                .map(|(layer, _)| layer)
+                .collect(),
+            None => {
+                let interval = self.no_rope_layer_interval.unwrap_or(4).max(1);
+                (0..self.num_hidden_layers)
+                    .filter(|layer| (layer + 1) % interval == 0)
+                    .collect()
+            }
+        }
+    }
+
+    /// The context the decoder may use. Sliding-window attention changes which keys a query
+    /// sees only past the window, so the context is cut to the window: inside it, full
+    /// attention is the same computation. The cut is logged and shows as the model's context
+    /// in `/v1/models` and `/admin`.
+    fn usable_context(&self, arch: Architecture) -> usize {
+        let window = self
+            .sliding_window
+            .as_ref()
+            .and_then(|w| w.as_u64())
+            .map(|w| w as usize);
+        let applies = match arch {
+            // Qwen2/3 configs carry a window that is off unless `use_sliding_window`.
+            Architecture::Qwen2 | Architecture::Qwen3 => self.use_sliding_window == Some(true),
+            _ => true,
+        };
+        match window {
+            Some(w) if applies && w > 0 && w < self.max_position_embeddings => {
+                tracing::warn!(
+                    arch = arch.name(),
+                    window = w,
+                    trained_context = self.max_position_embeddings,
+                    "sliding-window attention is not implemented: context cut to the window"
+                );
+                w
+            }
+            _ => self.max_position_embeddings,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(extra: serde_json::Value) -> Result<ModelConfig> {
+        let mut base = serde_json::json!({
+            "model_type": "llama",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 256,
+            "max_position_embeddings": 8192,
+        });
+        for (k, v) in extra.as_object().cloned().unwrap_or_default() {
+            base[k] = v;
+        }
+        let hf: HfConfig =
+            serde_json::from_value(base).map_err(|e| EngineError::Config(e.to_string()))?;
+        hf.to_model_config()
+    }
+
+    #[test]
+    fn rope_scaling_kinds_are_read_or_refused_by_name() {
+        assert_eq!(
+            config(serde_json::json!({})).unwrap().rope_scaling,
+            RopeScaling::None
+        );
+        let linear = config(serde_json::json!({"rope_scaling": {"type": "linear", "factor": 2.0}}));
+        assert_eq!(linear.unwrap().rope_scaling.position_scale(), 0.5);
+        let llama3 =
+            config(serde_json::json!({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}))
+                .unwrap();
+        assert_eq!(
+            llama3.rope_scaling,
+            RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_context: 8192.0
+            }
+        );
+        // The fastest pair keeps its period; the slowest is slowed by the whole factor.
+        let periods = llama3.rope_scaling.custom_periods(500_000.0, 16).unwrap();
+        assert_eq!(periods[0], 1.0);
+        let slowest = 500_000f64.powf(14.0 / 16.0) * 8.0;
+        assert!((periods[7] as f64 / slowest - 1.0).abs() < 1e-6);
+        let yarn = config(serde_json::json!({"rope_scaling": {"type": "yarn", "factor": 4.0}}));
+        let message = yarn.unwrap_err().to_string();
+        assert!(
+            message.contains("\"yarn\"") && message.contains("longrope"),
+            "{message}"
+        );
+        let no_factor = config(serde_json::json!({"rope_scaling": {"type": "linear"}}));
+        assert!(no_factor.unwrap_err().to_string().contains("factor"));
+    }
+
+    #[test]
+    fn longrope_takes_mscale_from_the_context_stretch_and_needs_a_factor_per_pair() {
+        let phi = config(serde_json::json!({
+            "model_type": "phi3",
+            "partial_rotary_factor": 0.75,
+            "max_position_embeddings": 131072,
+            "original_max_position_embeddings": 4096,
+            "rope_scaling": {"type": "longrope", "long_factor": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+                             "short_factor": [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]},
+        }))
+        .unwrap();
+        assert_eq!((phi.head_dim, phi.rope_dims), (16, 12));
+        let want = (1.0 + 32f32.ln() / 4096f32.ln()).sqrt();
+        assert!((phi.rope_scaling.input_scale() - want).abs() < 1e-6);
+        let wrong = config(serde_json::json!({
+            "model_type": "phi3",
+            "rope_scaling": {"type": "longrope", "long_factor": [1.0, 2.0]},
+        }));
+        assert!(
+            wrong
+                .unwrap_err()
+                .to_string()
+                .contains("2 factors for 8 rotary pairs")
+        );
+    }
+
+    #[test]
+    fn smollm3_nope_layers_come_from_flags_or_the_interval() {
+        let flags =
+            config(serde_json::json!({"model_type": "smollm3", "no_rope_layers": [1, 0, 1, 0]}));
+        assert_eq!(flags.unwrap().no_rope_layers, [1, 3]);
+        let interval = config(serde_json::json!({"model_type": "smollm3"}));
+        assert_eq!(interval.unwrap().no_rope_layers, [3]);
+        // Other families ignore the field.
+        let llama = config(serde_json::json!({"no_rope_layers": [0, 0, 0, 0]}));
+        assert!(llama.unwrap().no_rope_layers.is_empty());
+    }
+
+    #[test]
+    fn a_sliding_window_cuts_the_context_where_it_applies() {
+        let mistral = config(serde_json::json!({"model_type": "mistral", "sliding_window": 4096}));
+        assert_eq!(mistral.unwrap().context_length, 4096);
+        let off = config(serde_json::json!({"model_type": "mistral", "sliding_window": null}));
+        assert_eq!(off.unwrap().context_length, 8192);
+        // Qwen configs name a window that is off unless `use_sliding_window`.
+        let qwen = config(serde_json::json!({"model_type": "qwen2", "sliding_window": 4096}));
+        assert_eq!(qwen.unwrap().context_length, 8192);
+        let qwen_on = config(serde_json::json!({
+            "model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": true
+        }));
+        assert_eq!(qwen_on.unwrap().context_length, 4096);
+    }
+
+    #[test]
+    fn unknown_architectures_list_the_supported_ones() {
+        let err = config(serde_json::json!({"model_type": "gemma3_text"})).unwrap_err();
+        assert!(err.to_string().contains("phi3, smollm3"), "{err}");
     }
 }

@@ -7,7 +7,7 @@ use std::path::Path;
 use mlx_rs::Dtype;
 use mlx_rs::io::GgufFile;
 
-use super::config::{Architecture, ModelConfig};
+use super::config::{Architecture, ModelConfig, RopeScaling};
 use super::weights::TensorStore;
 use super::{EngineError, Result};
 use crate::tokenizer::GgufTokenizerSpec;
@@ -89,6 +89,17 @@ pub fn load(path: &Path) -> Result<GgufModel> {
         .string("general.architecture")?
         .ok_or_else(|| EngineError::MissingMetadata("general.architecture".into()))?;
     let arch = Architecture::parse(&arch_name)?;
+    // llama.cpp names Mistral and SmolLM2 "llama"; Phi-3 and SmolLM3 files lay their tensors
+    // out differently (fused attn_qkv, NoPE flags) and are not read from GGUF yet.
+    if !matches!(
+        arch,
+        Architecture::Llama | Architecture::Qwen2 | Architecture::Qwen3
+    ) {
+        return Err(EngineError::UnknownArchitecture(format!(
+            "{arch_name} in GGUF (supported there: llama, qwen2, qwen3; load its safetensors \
+             folder instead)"
+        )));
+    }
     let key = |k: &str| format!("{arch_name}.{k}");
 
     let tokens = meta
@@ -107,16 +118,18 @@ pub fn load(path: &Path) -> Result<GgufModel> {
             "partial rotary embeddings ({rot} of {head_dim} dims) are not supported"
         )));
     }
-    let rope_linear_factor = match meta.string(&key("rope.scaling.type"))?.as_deref() {
-        None | Some("none") => 1.0,
-        Some("linear") => meta.number(&key("rope.scaling.factor"))?.unwrap_or(1.0) as f32,
+    let rope_scaling = match meta.string(&key("rope.scaling.type"))?.as_deref() {
+        None | Some("none") => RopeScaling::None,
+        Some("linear") => RopeScaling::Linear {
+            factor: meta.number(&key("rope.scaling.factor"))?.unwrap_or(1.0) as f32,
+        },
         Some(other) => {
             return Err(EngineError::Config(format!(
                 "unsupported rope scaling {other:?} (supported: linear)"
             )));
         }
     };
-    let config = ModelConfig {
+    let mut config = ModelConfig {
         arch,
         hidden_size,
         intermediate_size: meta.require_usize(&key("feed_forward_length"))?,
@@ -132,7 +145,9 @@ pub fn load(path: &Path) -> Result<GgufModel> {
             .ok_or_else(|| EngineError::MissingMetadata(key("attention.layer_norm_rms_epsilon")))?
             as f32,
         rope_theta: meta.number(&key("rope.freq_base"))?.unwrap_or(10_000.0) as f32,
-        rope_linear_factor,
+        rope_scaling,
+        rope_dims: head_dim,
+        no_rope_layers: Vec::new(),
         // llama.cpp's converter permutes Llama q/k rows for adjacent-pair RoPE; Qwen2 it leaves.
         rope_traditional: arch == Architecture::Llama,
         context_length: meta.require_usize(&key("context_length"))?,
@@ -159,6 +174,26 @@ pub fn load(path: &Path) -> Result<GgufModel> {
     let arrays = file
         .arrays()
         .map_err(|e| EngineError::Load(format!("{}: {e}", path.display())))?;
+    // Llama 3.1+ files carry their RoPE rescaling as per-pair period factors in a tensor
+    // (llama.cpp's `rope_freqs`), not in metadata.
+    if let Some(factors) = arrays.get("rope_freqs.weight") {
+        let factors = factors.as_dtype(Dtype::Float32)?;
+        factors.eval()?;
+        let long_factor = factors
+            .try_as_slice::<f32>()
+            .map_err(|e| EngineError::Load(format!("rope_freqs: {e}")))?
+            .to_vec();
+        if config.rope_scaling != RopeScaling::None {
+            return Err(EngineError::Config(
+                "rope_freqs together with a rope scaling type".into(),
+            ));
+        }
+        config.rope_scaling = RopeScaling::LongRope {
+            long_factor,
+            mscale: 1.0,
+        };
+        config.validate()?;
+    }
     Ok(GgufModel {
         config,
         tensors: TensorStore::new(arrays, GGUF_GROUP_SIZE),

@@ -1,5 +1,7 @@
-//! The Llama-family decoder (Llama / SmolLM2, and Qwen2, which adds q/k/v biases): pre-norm
-//! blocks of grouped-query attention with RoPE and a SwiGLU MLP.
+//! The Llama-family decoder: pre-norm blocks of grouped-query attention with RoPE and a SwiGLU
+//! MLP. Llama 1-3.x, SmolLM2, Mistral; Qwen2 (q/k/v biases); Qwen3 (an RMSNorm on each query
+//! and key head); Phi-3 (fused projections on disk, partial rotary, longrope); SmolLM3 (NoPE
+//! layers). The differences are all in `ModelConfig` and in which tensors a layer has.
 //!
 //! `forward` runs a *ragged batch*: several sequences, each with its own new tokens and its own
 //! KV cache at its own offset, in one pass. Projections and MLPs run once over all tokens (the
@@ -11,7 +13,7 @@ use mlx_rs::ops::concatenate;
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{Array, Dtype};
 
-use super::config::ModelConfig;
+use super::config::{Architecture, ModelConfig};
 use super::cpu_attention::{self, AttentionInput};
 use super::kv::{KvCache, KvLayout};
 use super::policy::DtypePolicy;
@@ -59,6 +61,8 @@ impl TensorNaming {
             (Self::Gguf, "gate") => gguf("ffn_gate"),
             (Self::Gguf, "up") => gguf("ffn_up"),
             (Self::Gguf, "down") => gguf("ffn_down"),
+            (Self::Gguf, "q_norm") => gguf("attn_q_norm.weight"),
+            (Self::Gguf, "k_norm") => gguf("attn_k_norm.weight"),
             (Self::HuggingFace, "attn_norm") => hf("input_layernorm.weight"),
             (Self::HuggingFace, "mlp_norm") => hf("post_attention_layernorm.weight"),
             (Self::HuggingFace, "q") => hf("self_attn.q_proj"),
@@ -68,6 +72,10 @@ impl TensorNaming {
             (Self::HuggingFace, "gate") => hf("mlp.gate_proj"),
             (Self::HuggingFace, "up") => hf("mlp.up_proj"),
             (Self::HuggingFace, "down") => hf("mlp.down_proj"),
+            (Self::HuggingFace, "q_norm") => hf("self_attn.q_norm.weight"),
+            (Self::HuggingFace, "k_norm") => hf("self_attn.k_norm.weight"),
+            (Self::HuggingFace, "qkv") => hf("self_attn.qkv_proj"),
+            (Self::HuggingFace, "gate_up") => hf("mlp.gate_up_proj"),
             (_, other) => format!("unknown part {other}"),
         }
     }
@@ -79,10 +87,21 @@ struct Layer {
     k: Linear,
     v: Linear,
     o: Linear,
+    /// Qwen3's per-head RMSNorm weights for queries and keys (`[head_dim]`).
+    q_norm: Option<Array>,
+    k_norm: Option<Array>,
     mlp_norm: Array,
     gate: Linear,
     up: Linear,
     down: Linear,
+}
+
+/// How positions enter attention, precomputed from the config.
+struct Rotary {
+    /// Per-pair periods when the scheme is not a plain base (Llama 3, longrope).
+    periods: Option<Array>,
+    /// Longrope's factor on the rotated dimensions (`[head_dim]`, 1 past `rope_dims`).
+    input_scale: Option<Array>,
 }
 
 pub struct Model {
@@ -93,6 +112,7 @@ pub struct Model {
     head: Option<Matrix>,
     final_norm: Array,
     layers: Vec<Layer>,
+    rotary: Rotary,
     /// Attention runs through `cpu_attention` (on the CPU, in f32) instead of MLX's kernel.
     cpu_attention: bool,
 }
@@ -156,15 +176,62 @@ impl Model {
         let mut layers = Vec::with_capacity(config.num_layers);
         for i in 0..config.num_layers {
             let name = |part| naming.layer(i, part);
+            let (q, k, v) = if config.arch == Architecture::Phi3
+                && store.contains(&format!("{}.weight", name("qkv")))
+            {
+                // Phi-3 stores q, k and v as one matrix, rows in that order.
+                let (hd, h, kv) = (config.head_dim, config.num_heads, config.num_kv_heads);
+                let mut parts = store
+                    .linear_split(&name("qkv"), &[h * hd, kv * hd, kv * hd], policy)?
+                    .into_iter();
+                match (parts.next(), parts.next(), parts.next()) {
+                    (Some(q), Some(k), Some(v)) => (q, k, v),
+                    _ => return Err(EngineError::Mlx("qkv split lost a part".into())),
+                }
+            } else {
+                (
+                    store.linear(&name("q"), policy)?,
+                    store.linear(&name("k"), policy)?,
+                    store.linear(&name("v"), policy)?,
+                )
+            };
+            let (gate, up) = if config.arch == Architecture::Phi3
+                && store.contains(&format!("{}.weight", name("gate_up")))
+            {
+                // Phi-3's gate and up projections, one matrix, gate rows first.
+                let n = config.intermediate_size;
+                let mut parts = store
+                    .linear_split(&name("gate_up"), &[n, n], policy)?
+                    .into_iter();
+                match (parts.next(), parts.next()) {
+                    (Some(gate), Some(up)) => (gate, up),
+                    _ => return Err(EngineError::Mlx("gate_up split lost a part".into())),
+                }
+            } else {
+                (
+                    store.linear(&name("gate"), policy)?,
+                    store.linear(&name("up"), policy)?,
+                )
+            };
+            let (q_norm, k_norm) = if config.arch.has_qk_norm() {
+                (
+                    Some(store.vector(&name("q_norm"), policy)?),
+                    Some(store.vector(&name("k_norm"), policy)?),
+                )
+            } else {
+                (None, None)
+            };
             let layer = Layer {
                 attn_norm: store.vector(&name("attn_norm"), policy)?,
-                q: store.linear(&name("q"), policy)?,
-                k: store.linear(&name("k"), policy)?,
-                v: store.linear(&name("v"), policy)?,
+                q,
+                k,
+                v,
                 o: store.linear(&name("o"), policy)?,
+                q_norm,
+                k_norm,
                 mlp_norm: store.vector(&name("mlp_norm"), policy)?,
-                gate: store.linear(&name("gate"), policy)?,
-                up: store.linear(&name("up"), policy)?,
+                gate,
+                up,
                 down: store.linear(&name("down"), policy)?,
             };
             // Materialise layer by layer: dequantising everything lazily first would hold the
@@ -184,6 +251,9 @@ impl Model {
             }
             layer.attn_norm.eval()?;
             layer.mlp_norm.eval()?;
+            for norm in layer.q_norm.iter().chain(&layer.k_norm) {
+                norm.eval()?;
+            }
             layers.push(layer);
         }
         let embed = store.matrix(naming.embed(), policy)?;
@@ -198,6 +268,7 @@ impl Model {
         };
         let final_norm = store.vector(naming.final_norm(), policy)?;
         final_norm.eval()?;
+        let rotary = Rotary::new(&config, policy)?;
         Ok(Self {
             config,
             policy,
@@ -205,6 +276,7 @@ impl Model {
             head,
             final_norm,
             layers,
+            rotary,
             cpu_attention: crate::mlx_device::default_device_kind() == "cpu",
         })
     }
@@ -351,8 +423,13 @@ impl Model {
                 };
                 let held = seq.cache.len() as i32;
                 let positions = seq.cache.position_runs(t as usize);
-                let q = self.rope_runs(&heads(rows(&q)?, h)?, &positions)?;
-                let k = self.rope_runs(&heads(rows(&k)?, hk)?, &positions)?;
+                let (mut q, mut k) = (heads(rows(&q)?, h)?, heads(rows(&k)?, hk)?);
+                if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                    q = fast::rms_norm(&q, Some(qn), c.rms_norm_eps)?;
+                    k = fast::rms_norm(&k, Some(kn), c.rms_norm_eps)?;
+                }
+                let q = self.rope_runs(&q, li, &positions)?;
+                let k = self.rope_runs(&k, li, &positions)?;
                 let v = heads(rows(&v)?, hk)?;
                 let (keys, values) = seq.cache.append(li, &k, &v)?;
                 let (keys, values) = if keys.dtype() == q.dtype() {
@@ -505,11 +582,18 @@ impl Model {
         })
     }
 
-    /// RoPE over `[1, heads, t, dim]` whose tokens sit at `runs` of positions (one run unless
-    /// pruned prompt positions were skipped inside the chunk).
-    fn rope_runs(&self, x: &Array, runs: &[(usize, usize, usize)]) -> Result<Array> {
+    /// RoPE of layer `li` over `[1, heads, t, dim]` whose tokens sit at `runs` of positions
+    /// (one run unless pruned prompt positions were skipped inside the chunk).
+    fn rope_runs(&self, x: &Array, li: usize, runs: &[(usize, usize, usize)]) -> Result<Array> {
+        if self.config.no_rope_layers.contains(&li) {
+            return Ok(x.clone());
+        }
+        let x = match &self.rotary.input_scale {
+            Some(scale) => x.multiply(scale)?,
+            None => x.clone(),
+        };
         if let [(_, _, position)] = runs {
-            return self.rope(x, *position as i32);
+            return self.rope(&x, *position as i32);
         }
         let parts = runs
             .iter()
@@ -523,14 +607,44 @@ impl Model {
 
     fn rope(&self, x: &Array, offset: i32) -> Result<Array> {
         let c = &self.config;
+        // With explicit periods MLX takes no base.
+        let base = match self.rotary.periods {
+            Some(_) => None,
+            None => Some(c.rope_theta),
+        };
         Ok(fast::rope(
             x,
-            c.head_dim as i32,
+            c.rope_dims as i32,
             c.rope_traditional,
-            c.rope_theta,
-            1.0 / c.rope_linear_factor,
+            base,
+            c.rope_scaling.position_scale(),
             offset,
-            None,
+            self.rotary.periods.as_ref(),
         )?)
+    }
+}
+
+impl Rotary {
+    fn new(c: &ModelConfig, policy: DtypePolicy) -> Result<Self> {
+        let periods = c
+            .rope_scaling
+            .custom_periods(c.rope_theta, c.rope_dims)
+            .map(|p| Array::from_slice(&p, &[p.len() as i32]));
+        let mscale = c.rope_scaling.input_scale();
+        let input_scale = if mscale == 1.0 {
+            None
+        } else {
+            let scales: Vec<f32> = (0..c.head_dim)
+                .map(|d| if d < c.rope_dims { mscale } else { 1.0 })
+                .collect();
+            Some(Array::from_slice(&scales, &[c.head_dim as i32]).as_dtype(policy.compute)?)
+        };
+        for a in periods.iter().chain(&input_scale) {
+            a.eval()?;
+        }
+        Ok(Self {
+            periods,
+            input_scale,
+        })
     }
 }

@@ -24,7 +24,8 @@ use crate::template::ChatTemplate;
 use crate::tokenizer::Tokenizer;
 
 /// Version of the rules that turn a model into KV blocks; bump it to orphan every old block.
-pub const CACHE_FORMAT_VERSION: u32 = 1;
+/// 2: GGUF Llama 3.1+ files apply their `rope_freqs` (blocks from 1 rotated without them).
+pub const CACHE_FORMAT_VERSION: u32 = 2;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ModelFormat {

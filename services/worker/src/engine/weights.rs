@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 
+use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::ops::{dequantize, quantized_matmul};
 use mlx_rs::{Array, Dtype};
 
@@ -50,6 +51,48 @@ impl TensorStore {
             .transpose()?;
         let matrix = self.matrix(base, policy)?;
         Ok(Linear { matrix, bias })
+    }
+
+    /// A linear layer stored fused with others (Phi-3's `qkv_proj`, `gate_up_proj`): its rows
+    /// cut into consecutive parts of `sizes` rows each, every part a layer of its own. The
+    /// scales, biases and bias of a quantised matrix are per row, so they are cut alike.
+    pub fn linear_split(
+        &self,
+        base: &str,
+        sizes: &[usize],
+        policy: DtypePolicy,
+    ) -> Result<Vec<Linear>> {
+        let fused = self.linear(base, policy)?;
+        let rows = match &fused.matrix {
+            Matrix::Dense(w) => w.shape()[0],
+            Matrix::Quantized(q) => q.weight.shape()[0],
+        };
+        if sizes.iter().sum::<usize>() != rows as usize {
+            return Err(EngineError::BadTensor {
+                name: format!("{base}.weight"),
+                reason: format!("{rows} rows cannot split into {sizes:?}"),
+            });
+        }
+        let mut at = 0i32;
+        let mut parts = Vec::with_capacity(sizes.len());
+        for &n in sizes {
+            let range = at..at + n as i32;
+            let cut = |a: &Array| -> Result<Array> { Ok(a.try_index(range.clone())?) };
+            let matrix = match &fused.matrix {
+                Matrix::Dense(w) => Matrix::Dense(cut(w)?),
+                Matrix::Quantized(q) => Matrix::Quantized(QuantizedMatrix {
+                    weight: cut(&q.weight)?,
+                    scales: cut(&q.scales)?,
+                    biases: cut(&q.biases)?,
+                    group_size: q.group_size,
+                    bits: q.bits,
+                }),
+            };
+            let bias = fused.bias.as_ref().map(cut).transpose()?;
+            parts.push(Linear { matrix, bias });
+            at += n as i32;
+        }
+        Ok(parts)
     }
 
     /// `<base>.weight` as a dense or quantised [out, in] matrix, per the policy.
