@@ -81,6 +81,9 @@ pub struct Config {
     /// Folders scanned for more models (see `--model-dir`).
     #[serde(default)]
     pub model_dirs: Vec<PathBuf>,
+    /// Also scan the Hugging Face cache, LM Studio's and Ollama's folders (see `--discover`).
+    #[serde(default)]
+    pub discover: bool,
     /// Folders whose image files requests may name as `file://` URLs (see `--image-dir`);
     /// empty: local files are refused.
     #[serde(default)]
@@ -247,6 +250,7 @@ impl Default for Config {
             models: Vec::new(),
             models_memory_budget: None,
             model_dirs: Vec::new(),
+            discover: false,
             image_dirs: Vec::new(),
             allow_remote_images: false,
             private_image_hosts: Vec::new(),

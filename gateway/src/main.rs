@@ -191,10 +191,16 @@ struct UpArgs {
     )]
     private_image_hosts: Vec<String>,
     /// A folder to scan for models (GGUF files, safetensors folders, also `org/name`
-    /// sub-folders): each is offered under its path below the folder, loaded on first request
-    /// (repeatable).
+    /// sub-folders; a Hugging Face hub cache or an Ollama store is read in its own layout):
+    /// each is offered under its path below the folder (or its hub / Ollama name), loaded on
+    /// first request (repeatable).
     #[arg(long = "model-dir", env = "STRATA_MODEL_DIR")]
     model_dirs: Vec<PathBuf>,
+    /// Also scan where other tools keep models on this machine: the Hugging Face cache
+    /// ($HF_HUB_CACHE, $HF_HOME/hub, ~/.cache/huggingface/hub), LM Studio's models folder and
+    /// Ollama's store ($OLLAMA_MODELS, ~/.ollama/models).
+    #[arg(long, env = "STRATA_DISCOVER")]
+    discover: bool,
     /// Memory for all workers together, e.g. 12GiB; see `models_memory_budget` in strata.toml.
     #[arg(long, env = "STRATA_MODELS_MEMORY_BUDGET")]
     models_memory_budget: Option<String>,
@@ -547,7 +553,19 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
     config
         .private_image_hosts
         .extend(args.private_image_hosts.iter().cloned());
-    for dir in args.model_dirs.iter().chain(&config.model_dirs.clone()) {
+    let mut model_dirs: Vec<PathBuf> = args.model_dirs.clone();
+    model_dirs.extend(config.model_dirs.iter().cloned());
+    if args.discover || config.discover {
+        let standard = strata_gateway::discovery::standard_dirs();
+        tracing::info!(dirs = ?standard, "discovering models where other tools keep them");
+        model_dirs.extend(
+            standard
+                .into_iter()
+                .filter(|d| !model_dirs.contains(d))
+                .collect::<Vec<_>>(),
+        );
+    }
+    for dir in &model_dirs {
         let found = strata_gateway::discovery::scan(dir)
             .with_context(|| format!("scan the model folder {}", dir.display()))?;
         for f in found {

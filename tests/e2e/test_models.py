@@ -2,8 +2,10 @@
 on first request, LRU unload of unpinned models to make room, pinning, the admin load/unload
 endpoints, and the idle TTL. Budgets are set per model in the config, so the accounting is
 exact; the models are SmolLM2 (twice, as two ids: two workers of one file) and MiniLM."""
+import hashlib
 import json
 import os
+import pathlib
 import time
 import urllib.error
 import urllib.request
@@ -11,7 +13,7 @@ import urllib.request
 import openai
 import pytest
 
-from test_api import config_cluster, pick_port, running_cluster
+from test_api import MODEL, config_cluster, pick_port, running_cluster
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +174,64 @@ def test_model_dir_discovery_offers_each_model_under_a_stable_id(bin_dir, defaul
         r = client.embeddings.create(model="sentence-transformers/all-MiniLM-L6-v2",
                                      input="hello", encoding_format="float")
         assert len(r.data[0].embedding) == 384
+
+
+def _hub_cache_entry(hub, repo, rev, source):
+    """`source`'s files as huggingface_hub caches them: blobs named by hash, a snapshot of
+    relative symlinks into them, refs/main naming the revision."""
+    entry = hub / ("models--" + repo.replace("/", "--"))
+    (entry / "blobs").mkdir(parents=True)
+    (entry / "refs").mkdir()
+    (entry / "refs" / "main").write_text(rev)
+    snapshot = entry / "snapshots" / rev
+    snapshot.mkdir(parents=True)
+    for f in sorted(source.iterdir()):
+        if f.is_file():
+            blob = entry / "blobs" / hashlib.sha256(f.name.encode()).hexdigest()
+            blob.symlink_to(f.resolve())
+            (snapshot / f.name).symlink_to(pathlib.Path("../../blobs") / blob.name)
+
+
+def _ollama_store(store, name, tag, gguf):
+    """`gguf` as Ollama keeps a pulled model: a sha256-named blob and a manifest naming it."""
+    (store / "blobs").mkdir(parents=True)
+    digest = hashlib.sha256(gguf.name.encode()).hexdigest()
+    (store / "blobs" / f"sha256-{digest}").symlink_to(gguf.resolve())
+    manifest = store / "manifests" / "registry.ollama.ai" / "library" / name / tag
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(json.dumps({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
+        "config": {"mediaType": "application/vnd.docker.container.image.v1+json",
+                   "digest": "sha256:" + "0" * 64, "size": 2},
+        "layers": [{"mediaType": "application/vnd.ollama.image.model",
+                    "digest": f"sha256:{digest}", "size": gguf.stat().st_size}],
+    }))
+
+
+def test_discover_serves_models_from_the_hugging_face_cache_and_ollamas_store(
+        bin_dir, default_model, tmp_path, monkeypatch):
+    # SmolLM2's f32 folder in a hub cache, its GGUF in an Ollama store, where `--discover`
+    # looks for them (the tools' own environment variables).
+    f32 = default_model.parent.parent / "smollm2-135m-instruct-f32"
+    hub, store = tmp_path / "hub", tmp_path / "ollama"
+    _hub_cache_entry(hub, "HuggingFaceTB/SmolLM2-135M-Instruct", "a" * 40, f32)
+    _ollama_store(store, "smollm2", "135m", default_model)
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("OLLAMA_MODELS", str(store))
+    (tmp_path / "c").mkdir()
+    with running_cluster(bin_dir, default_model, tmp_path / "c", "--discover") as c:
+        client = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0)
+        listed = {m.id: (m.kind, m.state) for m in client.models.list().data}
+        assert listed["HuggingFaceTB/SmolLM2-135M-Instruct"] == ("llm", "unloaded")
+        assert listed["smollm2:135m"] == ("llm", "unloaded")
+        ask = [{"role": "user", "content": "Name a colour."}]
+        answers = {}
+        for model in ["HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2:135m", MODEL]:
+            r = client.chat.completions.create(model=model, messages=ask, max_tokens=8,
+                                               temperature=0)
+            assert r.usage.completion_tokens > 0, model
+            answers[model] = r.choices[0].message.content
+        # The Ollama blob is the default model's file, extensionless: the same answer.
+        assert answers["smollm2:135m"] == answers[MODEL]
+        assert answers["HuggingFaceTB/SmolLM2-135M-Instruct"]

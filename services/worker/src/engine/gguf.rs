@@ -79,11 +79,31 @@ impl Meta<'_> {
     }
 }
 
+/// mlx-rs opens GGUF files only under a `.gguf` name, and Ollama keeps them as
+/// `blobs/sha256-<hex>`: such a file is read through a link with the extension, in a private
+/// temporary folder that lives as long as the returned guard (MLX copies the tensors out
+/// while loading, so the guard ends with `load`).
+fn gguf_named(path: &Path) -> Result<(std::path::PathBuf, Option<tempfile::TempDir>)> {
+    if path.extension().is_some_and(|e| e == "gguf") {
+        return Ok((path.to_path_buf(), None));
+    }
+    let io = |e: std::io::Error| EngineError::Load(format!("{}: {e}", path.display()));
+    let target = path.canonicalize().map_err(io)?;
+    let dir = tempfile::Builder::new()
+        .prefix("strata-gguf-")
+        .tempdir()
+        .map_err(io)?;
+    let link = dir.path().join("model.gguf");
+    std::os::unix::fs::symlink(&target, &link).map_err(io)?;
+    Ok((link, Some(dir)))
+}
+
 pub fn load(path: &Path) -> Result<GgufModel> {
     // MLX's GGUF reader trusts the file; a corrupt length field crashes it.
     strata_model_files::check_gguf(path).map_err(|e| EngineError::Load(e.to_string()))?;
-    let file =
-        GgufFile::load(path).map_err(|e| EngineError::Load(format!("{}: {e}", path.display())))?;
+    let (readable, _link) = gguf_named(path)?;
+    let file = GgufFile::load(&readable)
+        .map_err(|e| EngineError::Load(format!("{}: {e}", path.display())))?;
     let meta = Meta(&file);
     let arch_name = meta
         .string("general.architecture")?

@@ -55,6 +55,15 @@ pub struct LoadedModel {
 /// Tokens that end a turn in the templates we meet, besides the declared EOS.
 const TURN_END_TOKENS: &[&str] = &["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>"];
 
+/// A GGUF file without the extension: Ollama keeps its weights as `blobs/sha256-<hex>`.
+fn starts_with_gguf_magic(path: &Path) -> bool {
+    let mut magic = [0u8; 4];
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut magic))
+        .is_ok()
+        && &magic == b"GGUF"
+}
+
 pub fn open(path: &Path, policy: DtypePolicy, block_tokens: usize) -> Result<LoadedModel> {
     if block_tokens == 0 {
         return Err(EngineError::Config(
@@ -75,7 +84,7 @@ pub fn open(path: &Path, policy: DtypePolicy, block_tokens: usize) -> Result<Loa
             template,
             files,
         )
-    } else if path.extension().is_some_and(|e| e == "gguf") {
+    } else if path.extension().is_some_and(|e| e == "gguf") || starts_with_gguf_magic(path) {
         let g = gguf::load(path)?;
         let tokenizer = Tokenizer::from_gguf(&g.tokenizer)?;
         let model = Model::load(g.config, &g.tensors, TensorNaming::Gguf, policy)?;
