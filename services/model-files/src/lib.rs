@@ -6,15 +6,20 @@
 //! 32-bit limit, is accepted with a wrong shape. A model folder is user input, so every file is
 //! checked here first: everything a reader would index by is bounds-checked against the file's
 //! length with checked arithmetic, and whatever fails is a clear error naming the file and the
-//! field. The checks read only the headers, never the tensor data.
+//! field. The checks read only the headers; tensor data is read only to expand the GGUF types
+//! MLX cannot load (`dequant`).
 
+mod dequant;
 mod gguf;
 mod reader;
 mod safetensors_file;
 
 use std::path::Path;
 
-pub use gguf::{GgufSummary, check_gguf, check_gguf_reader};
+pub use dequant::dequantize;
+pub use gguf::{
+    GgmlType, GgufFile, GgufSummary, GgufTensor, MetaValue, check_gguf, check_gguf_reader,
+};
 pub use safetensors_file::{SafetensorsSummary, check_safetensors, check_safetensors_reader};
 
 /// Largest dimension MLX can hold: its shapes are 32-bit signed integers.

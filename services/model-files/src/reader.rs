@@ -49,20 +49,6 @@ impl<R: Read> Bounded<R> {
         Ok(buf)
     }
 
-    pub fn skip(&mut self, n: u64, what: &str) -> Result<(), FormatError> {
-        self.ensure(n, what)?;
-        let copied = std::io::copy(&mut (&mut self.inner).take(n), &mut std::io::sink())?;
-        if copied != n {
-            return Err(FormatError::Truncated {
-                what: what.to_string(),
-                at: self.pos + copied,
-                len: self.pos + copied,
-            });
-        }
-        self.pos += n;
-        Ok(())
-    }
-
     pub fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N], FormatError> {
         self.ensure(N as u64, what)?;
         let mut buf = [0; N];

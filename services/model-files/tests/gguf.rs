@@ -253,8 +253,17 @@ fn tensor_damage_gets_a_clear_reason() {
     assert!(with_tensor(t(vec![1; 5], 0, 4)).contains("5 dimensions"));
     assert!(with_tensor(t(vec![4, 0], 0, 0)).contains("dimension of 0"));
     assert!(with_tensor(t(vec![1 << 31], 0, 4)).contains("MLX allows 1 to 2147483647"));
-    let e = with_tensor(t(vec![256], 12, 144));
-    assert!(e.contains("type Q4_K") && e.contains("re-quantise"), "{e}");
+    // K-quants are read (expanded at load); IQ2_XXS is not, and the error says what is.
+    let k = gguf(&[], &[t(vec![256], 12, 144)], 32);
+    assert_eq!(check(&k).unwrap().tensors[0].1, "Q4_K");
+    let e = with_tensor(t(vec![256], 16, 66));
+    assert!(
+        e.contains("tensor 'w' has type IQ2_XXS")
+            && e.contains("Q4_K")
+            && e.contains("re-quantise"),
+        "{e}"
+    );
+    assert!(with_tensor(t(vec![128], 12, 72)).contains("not a multiple of 256"));
     assert!(with_tensor(t(vec![48], 8, 34)).contains("not a multiple of 32"));
     // Four dimensions that each fit in MLX but whose product overflows 64 bits.
     let e = with_tensor(t(vec![i32::MAX as u64; 4], 0, 4));
