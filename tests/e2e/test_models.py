@@ -13,7 +13,7 @@ import urllib.request
 import openai
 import pytest
 
-from test_api import MODEL, config_cluster, pick_port, running_cluster
+from test_api import MODEL, config_cluster, one_model_config, pick_port, running_cluster
 
 
 @pytest.fixture(scope="module")
@@ -235,3 +235,37 @@ def test_discover_serves_models_from_the_hugging_face_cache_and_ollamas_store(
         # The Ollama blob is the default model's file, extensionless: the same answer.
         assert answers["smollm2:135m"] == answers[MODEL]
         assert answers["HuggingFaceTB/SmolLM2-135M-Instruct"]
+
+
+QUANTS_DIR = pathlib.Path(__file__).resolve().parents[2] / "services/worker/tests/fixtures/qwen2_quants"
+
+
+def test_a_gguf_of_k_quants_and_every_other_block_type_is_served(bin_dir, tmp_path):
+    """The tiny Qwen2 whose matrices use every GGUF block type Strata reads (K-quants, Q5_0,
+    Q5_1, IQ4_NL, IQ4_XS, ...; MLX cannot open it) answers through the real cluster with the
+    tokens of the independent numpy reference, and a second request reuses its cached KV."""
+    reference = json.loads((QUANTS_DIR / "reference.json").read_text())
+    port = pick_port()
+    with config_cluster(bin_dir, tmp_path, port, one_model_config(
+            tmp_path, port, "kquants", QUANTS_DIR / "qwen2_quants.gguf")) as c:
+        client = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0)
+        extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+        for case in reference["cases"]:
+            margins = case["greedy_top1_top2_margin"]
+            # Up to the reference's first near-tie, where summation order may pick either.
+            safe = next((i for i, m in enumerate(margins) if m < 0.02), len(margins))
+            assert safe >= 5
+            answers = []
+            for _ in range(2):
+                r = client.completions.create(model="kquants", prompt=case["input_ids"],
+                                              temperature=0, max_tokens=safe, logprobs=1,
+                                              extra_body=extra)
+                answers.append(([int(t.removeprefix("token_id:"))
+                                 for t in r.choices[0].logprobs.tokens],
+                                r.usage.prompt_tokens_details.cached_tokens))
+            (cold, _), (warm, cached) = answers
+            assert cold == case["greedy_ids"][:safe]
+            assert warm == cold
+            assert cached > 0, case["input_ids"]
+    log = (tmp_path / "strata.log").read_text(errors="replace")
+    assert "expanded to f32 at load" in log and "Q4_K" in log

@@ -1,11 +1,14 @@
-//! Loading a GGUF file: tensors through MLX's own GGUF reader (which turns Q4_0, Q4_1 and Q8_0
-//! into MLX's affine quantised layout), hyper-parameters, tokenizer and chat template from the
-//! file's metadata.
+//! Loading a GGUF file: hyper-parameters, tokenizer and chat template from the file's metadata
+//! (read by `strata_model_files`); tensors through MLX's own GGUF reader where it reads every
+//! type (it turns Q4_0, Q4_1 and Q8_0 into MLX's affine quantised layout), else expanded to f32
+//! in Rust (K-quants, Q5_0, Q5_1, IQ4_NL, IQ4_XS).
 
 use std::path::Path;
 
-use mlx_rs::Dtype;
-use mlx_rs::io::GgufFile;
+use std::collections::HashMap;
+
+use mlx_rs::{Array, Dtype};
+use strata_model_files::{GgufFile, MetaValue};
 
 use super::config::{Architecture, ModelConfig, RopeScaling};
 use super::weights::TensorStore;
@@ -22,38 +25,41 @@ pub struct GgufModel {
     pub chat_template: Option<String>,
 }
 
+/// The file's metadata, read by `strata_model_files` (MLX's reader cannot open files with
+/// K-quants at all, so the metadata never comes from it).
 struct Meta<'a>(&'a GgufFile);
 
 impl Meta<'_> {
+    fn value(&self, key: &str) -> Option<&MetaValue> {
+        self.0.get(key)
+    }
+
     fn string(&self, key: &str) -> Result<Option<String>> {
-        self.0
-            .get_metadata_string(key)
-            .map_err(|e| EngineError::Load(format!("metadata {key}: {e}")))
+        match self.value(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_str()
+                .map(|s| Some(s.to_string()))
+                .ok_or_else(|| EngineError::Load(format!("metadata {key} is not a string"))),
+        }
     }
 
     fn strings(&self, key: &str) -> Result<Option<Vec<String>>> {
-        self.0
-            .get_metadata_strings(key)
-            .map_err(|e| EngineError::Load(format!("metadata {key}: {e}")))
+        match self.value(key) {
+            None => Ok(None),
+            Some(v) => v.as_strings().map(Some).ok_or_else(|| {
+                EngineError::Load(format!("metadata {key} is not an array of strings"))
+            }),
+        }
     }
 
     fn number(&self, key: &str) -> Result<Option<f64>> {
-        let Some(value) = self
-            .0
-            .get_metadata_array(key)
-            .map_err(|e| EngineError::Load(format!("metadata {key}: {e}")))?
-        else {
-            return Ok(None);
-        };
-        if value.size() != 1 {
-            return Err(EngineError::MissingMetadata(format!(
-                "{key} (expected one number)"
-            )));
+        match self.value(key) {
+            None => Ok(None),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| {
+                EngineError::MissingMetadata(format!("{key} (expected one number)"))
+            }),
         }
-        let number = value
-            .try_item_cast::<f64>()
-            .map_err(|e| EngineError::Load(format!("metadata {key}: {e}")))?;
-        Ok(Some(number))
     }
 
     fn usize(&self, key: &str) -> Result<Option<usize>> {
@@ -66,17 +72,58 @@ impl Meta<'_> {
     }
 
     fn ints(&self, key: &str) -> Result<Option<Vec<i32>>> {
-        let Some(value) = self
-            .0
-            .get_metadata_array(key)
-            .map_err(|e| EngineError::Load(format!("metadata {key}: {e}")))?
-        else {
-            return Ok(None);
-        };
-        let value = value.as_dtype(Dtype::Int32)?;
-        value.eval()?;
-        Ok(Some(value.as_slice::<i32>().to_vec()))
+        match self.value(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_ints()
+                .map(|ints| Some(ints.into_iter().map(|i| i as i32).collect()))
+                .ok_or_else(|| {
+                    EngineError::Load(format!("metadata {key} is not an array of integers"))
+                }),
+        }
     }
+}
+
+/// The file's tensors by name. Where MLX's reader takes every type, it loads them (keeping
+/// Q4_0/Q4_1/Q8_0 in its packed affine layout); otherwise every tensor is expanded to f32
+/// here, which is what the CPU computes on anyway (on Metal/CUDA the f32 matrices are cast
+/// to the compute dtype, f16, at build).
+fn tensors(file: &GgufFile, path: &Path) -> Result<HashMap<String, Array>> {
+    if file.mlx_reads_all() {
+        let (readable, _link) = gguf_named(path)?;
+        return mlx_rs::io::GgufFile::load(&readable)
+            .and_then(|f| f.arrays())
+            .map_err(|e| EngineError::Load(format!("{}: {e}", path.display())));
+    }
+    let mut arrays = HashMap::with_capacity(file.tensors.len());
+    for t in &file.tensors {
+        let values = file
+            .read_f32(t)
+            .map_err(|e| EngineError::Load(e.to_string()))?;
+        arrays.insert(t.name.clone(), Array::from_slice(&values, &t.shape()));
+    }
+    tracing::info!(
+        path = %path.display(),
+        types = %type_counts(file),
+        "GGUF types MLX cannot read were expanded to f32 at load"
+    );
+    Ok(arrays)
+}
+
+/// "Q4_K x 12, Q6_K x 3, ..." for the log.
+fn type_counts(file: &GgufFile) -> String {
+    let mut counts: Vec<(&str, usize)> = Vec::new();
+    for t in &file.tensors {
+        match counts.iter_mut().find(|(name, _)| *name == t.ty.name()) {
+            Some((_, n)) => *n += 1,
+            None => counts.push((t.ty.name(), 1)),
+        }
+    }
+    counts
+        .iter()
+        .map(|(name, n)| format!("{name} x {n}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// mlx-rs opens GGUF files only under a `.gguf` name, and Ollama keeps them as
@@ -99,11 +146,9 @@ fn gguf_named(path: &Path) -> Result<(std::path::PathBuf, Option<tempfile::TempD
 }
 
 pub fn load(path: &Path) -> Result<GgufModel> {
-    // MLX's GGUF reader trusts the file; a corrupt length field crashes it.
-    strata_model_files::check_gguf(path).map_err(|e| EngineError::Load(e.to_string()))?;
-    let (readable, _link) = gguf_named(path)?;
-    let file = GgufFile::load(&readable)
-        .map_err(|e| EngineError::Load(format!("{}: {e}", path.display())))?;
+    // Read and checked here first: MLX's GGUF reader trusts the file (a corrupt length field
+    // crashes it) and cannot read K-quants.
+    let file = GgufFile::open(path).map_err(|e| EngineError::Load(e.to_string()))?;
     let meta = Meta(&file);
     let arch_name = meta
         .string("general.architecture")?
@@ -191,9 +236,7 @@ pub fn load(path: &Path) -> Result<GgufModel> {
         tokens,
     };
     let chat_template = meta.string("tokenizer.chat_template")?;
-    let arrays = file
-        .arrays()
-        .map_err(|e| EngineError::Load(format!("{}: {e}", path.display())))?;
+    let arrays = tensors(&file, path)?;
     // Llama 3.1+ files carry their RoPE rescaling as per-pair period factors in a tensor
     // (llama.cpp's `rope_freqs`), not in metadata.
     if let Some(factors) = arrays.get("rope_freqs.weight") {
