@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The accelerators, measured side by side in one run (not in CI):
 
-    scripts/bench-setup qwen1.5b     # Qwen2.5-Coder-1.5B and its 0.5B draft, as Q8_0 GGUFs
+    scripts/bench-setup qwen1.5b     # Qwen2.5-Coder-1.5B and its 0.5B draft, GGUFs as published
     cargo build --release --bins
     scripts/mlx-env $STRATA_CACHE/benchvenv/bin/python scripts/bench_accelerators.py \
         --bin-dir target/release --model qwen1.5b --out docs/bench/accelerators
@@ -46,7 +46,7 @@ import bench_peers  # noqa: E402  (models, tokenizer, machine facts)
 DRAFTS = {
     "smollm2": bench_peers.MODELS["smollm2"]["gguf"],
     "qwen1.5b": bench_peers.CACHE
-    / "models/qwen2.5-coder-0.5b-instruct/qwen2.5-coder-0.5b-instruct-q8_0.gguf",
+    / "models/qwen2.5-coder-0.5b-instruct/qwen2.5-coder-0.5b-instruct.gguf",
 }
 CODING = [
     "Write a Python function that checks whether a string is a palindrome, with a docstring.",

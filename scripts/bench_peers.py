@@ -7,7 +7,8 @@
         --bin-dir target/release --out docs/bench
 
 --model smollm2 (default: SmolLM2-135M, Q4_1 GGUF) or qwen1.5b (Qwen2.5-Coder-1.5B, its Q4_K_M
-GGUF requantised to Q8_0, which MLX reads; `scripts/bench-setup qwen1.5b` makes both files).
+GGUF as published, and an f32 folder of it for the MLX peers; `scripts/bench-setup qwen1.5b`
+makes both).
 One server at a time on the same cores, each with its own prefix caching and persistence
 switched on where it has them:
 - strata: the GGUF, computed in f32; worker L0, the cache service's RAM and
@@ -59,8 +60,8 @@ MODELS = {
     "smollm2": {"label": "SmolLM2-135M", "quant": "Q4_1",
                 "gguf": CACHE / "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf",
                 "hf_f32": CACHE / "models/smollm2-135m-instruct-f32"},
-    "qwen1.5b": {"label": "Qwen2.5-Coder-1.5B", "quant": "Q8_0",
-                 "gguf": CACHE / "models/qwen2.5-coder-1.5b-instruct/qwen2.5-coder-1.5b-instruct-q8_0.gguf",
+    "qwen1.5b": {"label": "Qwen2.5-Coder-1.5B", "quant": "Q4_K_M",
+                 "gguf": CACHE / "models/qwen2.5-coder-1.5b-instruct/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
                  "hf_f32": CACHE / "models/qwen2.5-coder-1.5b-instruct-f32"},
 }
 PEERS = CACHE / "peers"

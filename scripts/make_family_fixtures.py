@@ -17,6 +17,10 @@ reference.json: for fixed token-id prompts, the logits after the last prompt tok
 vocabulary) and the first greedy tokens, with the top-1/top-2 margin of each greedy step (so a
 reader can see the greedy sequence is not decided by rounding).
 
+Then the mlx-community layouts: some of those folders quantised by mlx-lm's own
+`quantize_model` and saved by its `save_model` (QUANTISED below: affine widths and group sizes
+per layer, MXFP4), with mlx-lm's outputs on the quantised weights.
+
 Every step is seeded; two runs give the same files. Not run in CI (it needs the venv above);
 its outputs are committed and services/worker/tests/family_parity.rs checks Strata on them.
 """
@@ -210,6 +214,48 @@ def reference(folder, prompts):
     return cases
 
 
+def mixed_predicate(path, module):
+    """A different width and group size per kind of layer, one left unquantised: what
+    mlx-lm's mixed recipes and hand-made uploads write into config.json per module."""
+    if path.endswith("layers.1.mlp.down_proj"):
+        return False
+    for suffix, bits, group in [("q_proj", 2, 32), ("k_proj", 3, 64), ("v_proj", 6, 32),
+                                ("o_proj", 8, 64), ("gate_proj", 5, 32), ("up_proj", 4, 64),
+                                ("down_proj", 3, 64), ("embed_tokens", 8, 32)]:
+        if path.endswith(suffix):
+            return dict(group_size=group, bits=bits, mode="affine")
+    return True
+
+
+# mlx-community uploads: a family fixture quantised by mlx-lm's own `quantize_model` and saved
+# by its `save_model`/`save_config` (config.json's `quantization`, per module where it differs).
+QUANTISED = {
+    # Affine 2/3/4/5/6/8-bit with group sizes 32 and 64 per layer, and a layer kept dense.
+    "qwen3_mixed": ("qwen3", "affine", 64, 4, mixed_predicate),
+    # MXFP4 (MLX 0.32's microscaled 4-bit float: e8m0 scales over groups of 32, no biases).
+    "llama3_1_mxfp4": ("llama3_1", "mxfp4", 32, 4, None),
+}
+
+
+def write_quantised(name, base, mode, group_size, bits, predicate):
+    import shutil
+
+    import mlx.core as mx
+    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+
+    mx.set_default_device(mx.cpu)
+    model, config = load_model(OUT / base)
+    model, config = quantize_model(model, config, group_size, bits, mode=mode,
+                                   quant_predicate=predicate)
+    folder = OUT / name
+    shutil.rmtree(folder, ignore_errors=True)
+    save_model(folder, model)
+    save_config(config, folder / "config.json")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(OUT / base / f, folder / f)
+    return folder, config
+
+
 def main():
     import mlx.core as mx
     import mlx_lm
@@ -224,6 +270,12 @@ def main():
     )
     for name, config in FAMILIES.items():
         folder, written = write_family(name, config, rng)
+        cases = reference(folder, prompts)
+        low = min(m for case in cases for m in case["greedy_margins"])
+        print(f"{name}: smallest greedy margin {low:.4f}")
+        out["families"][name] = dict(model_type=written["model_type"], cases=cases)
+    for name, (base, mode, group_size, bits, predicate) in QUANTISED.items():
+        folder, written = write_quantised(name, base, mode, group_size, bits, predicate)
         cases = reference(folder, prompts)
         low = min(m for case in cases for m in case["greedy_margins"])
         print(f"{name}: smallest greedy margin {low:.4f}")

@@ -192,3 +192,17 @@ fn phi3_matches_mlx_lm() {
 fn smollm3_matches_mlx_lm() {
     check_family("smollm3", "smollm3");
 }
+
+/// An mlx-community layout: mlx-lm's own quantiser gave each kind of layer another width
+/// (2, 3, 4, 5, 6, 8 bits) and group size (32, 64), and left one layer dense; config.json
+/// says so per module. mlx-lm computed the reference on those quantised weights.
+#[test]
+fn qwen3_with_per_layer_affine_quantisation_matches_mlx_lm() {
+    check_family("qwen3_mixed", "qwen3");
+}
+
+/// MXFP4 (microscaled 4-bit floats, e8m0 scales per 32, no biases), as mlx-lm writes it.
+#[test]
+fn llama_3_1_in_mxfp4_matches_mlx_lm() {
+    check_family("llama3_1_mxfp4", "llama");
+}

@@ -14,7 +14,7 @@ use serde::Deserialize;
 
 use super::loader::{load_safetensors, read_json, safetensors_files};
 use super::policy::DtypePolicy;
-use super::weights::{Linear, TensorStore};
+use super::weights::{Linear, QuantSpec, TensorStore};
 use super::{EngineError, Result};
 
 /// The `config.json` fields of a BERT encoder.
@@ -156,7 +156,7 @@ impl BertEncoder {
                     .map(|(k, v)| (k.strip_prefix("bert.").unwrap_or(&k).to_string(), v)),
             );
         }
-        let store = TensorStore::new(tensors, 64);
+        let store = TensorStore::new(tensors, QuantSpec::affine(64));
         let p = DtypePolicy::F32;
         let norm = |base: &str| -> Result<(Array, Array)> {
             Ok((

@@ -248,8 +248,9 @@ pub struct HfConfig {
     pub max_position_embeddings: usize,
     #[serde(default)]
     pub tie_word_embeddings: bool,
-    /// mlx-lm's quantised layout: `{"group_size": 64, "bits": 4}`.
-    pub quantization: Option<HfQuantization>,
+    /// mlx-lm's quantised layout: `{"group_size": 64, "bits": 4, "mode": "affine", ...}`
+    /// with per-module overrides (`weights::QuantSpec`).
+    pub quantization: Option<serde_json::Value>,
     /// Phi's share of each head that RoPE rotates.
     pub partial_rotary_factor: Option<f32>,
     /// Phi-3's pre-extension context, the reference for longrope's mscale.
@@ -262,12 +263,6 @@ pub struct HfConfig {
     pub sliding_window: Option<serde_json::Value>,
     #[serde(default)]
     pub use_sliding_window: Option<bool>,
-}
-
-#[derive(Debug, Clone, Copy, Deserialize)]
-pub struct HfQuantization {
-    pub group_size: i32,
-    pub bits: i32,
 }
 
 fn default_eps() -> f32 {

@@ -11,7 +11,7 @@ use mlx_rs::{Array, Dtype};
 use strata_model_files::{GgufFile, MetaValue};
 
 use super::config::{Architecture, ModelConfig, RopeScaling};
-use super::weights::TensorStore;
+use super::weights::{QuantSpec, TensorStore};
 use super::{EngineError, Result};
 use crate::tokenizer::GgufTokenizerSpec;
 
@@ -259,7 +259,7 @@ pub fn load(path: &Path) -> Result<GgufModel> {
     }
     Ok(GgufModel {
         config,
-        tensors: TensorStore::new(arrays, GGUF_GROUP_SIZE),
+        tensors: TensorStore::new(arrays, QuantSpec::affine(GGUF_GROUP_SIZE)),
         tokenizer,
         chat_template,
     })

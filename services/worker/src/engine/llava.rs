@@ -18,7 +18,7 @@ use super::config::HfConfig;
 use super::llama::{Model, SeqChunk, TensorNaming};
 use super::loader::{load_safetensors, read_json, safetensors_files};
 use super::policy::DtypePolicy;
-use super::weights::{Linear, TensorStore};
+use super::weights::{Linear, QuantSpec, TensorStore};
 use super::{EngineError, Result};
 
 #[derive(Debug, Clone, Deserialize)]
@@ -146,11 +146,11 @@ impl Llava {
         let p = DtypePolicy::F32;
         let text = Model::load(
             text_config.to_model_config()?,
-            &TensorStore::new(text, 64),
+            &TensorStore::new(text, QuantSpec::affine(64)),
             TensorNaming::HuggingFace,
             p,
         )?;
-        let store = TensorStore::new(other, 64);
+        let store = TensorStore::new(other, QuantSpec::affine(64));
         let vt = |name: &str| format!("vision_tower.vision_model.{name}");
         let norm = |base: &str| -> Result<(Array, Array)> {
             Ok((

@@ -16,7 +16,7 @@ use super::llama::{Model, TensorNaming};
 use super::llava::Llava;
 use super::multimodal::{ImageInput, Vision};
 use super::policy::DtypePolicy;
-use super::weights::TensorStore;
+use super::weights::{QuantSpec, TensorStore};
 use super::{EngineError, Result};
 use std::sync::Arc;
 
@@ -267,8 +267,19 @@ fn open_folder(dir: &Path, policy: DtypePolicy) -> Result<OpenedFolder> {
     for file in safetensors_files(dir)? {
         tensors.extend(load_safetensors(&file)?);
     }
-    let group_size = hf.quantization.map(|q| q.group_size).unwrap_or(64);
-    let store = TensorStore::new(tensors, group_size);
+    let quant = match &hf.quantization {
+        Some(q) => QuantSpec::from_mlx_config(q)?,
+        None => QuantSpec::affine(64),
+    };
+    let floats = quant.float_modes();
+    if !floats.is_empty() && policy.quantized_weights {
+        tracing::warn!(
+            modes = ?floats,
+            "these quantisation modes are expanded to dense weights at load on this device \
+             (packed products are bound for affine only): more memory than the file"
+        );
+    }
+    let store = TensorStore::new(tensors, quant);
     let model = Model::load(config, &store, TensorNaming::HuggingFace, policy)?;
     Ok((model, None, tokenizer, template))
 }

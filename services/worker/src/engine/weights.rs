@@ -10,20 +10,170 @@ use mlx_rs::{Array, Dtype};
 use super::policy::DtypePolicy;
 use super::{EngineError, Result};
 
+/// MLX's quantisation modes: `affine` (scale and bias per group, 2-8 bits) and the
+/// microscaled floats of MLX 0.32 (no biases; e8m0 or e4m3 scales).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuantMode {
+    Affine,
+    Mxfp4,
+    Nvfp4,
+    Mxfp8,
+}
+
+impl QuantMode {
+    fn parse(name: &str) -> Result<Self> {
+        Ok(match name {
+            "affine" => Self::Affine,
+            "mxfp4" => Self::Mxfp4,
+            "nvfp4" => Self::Nvfp4,
+            "mxfp8" => Self::Mxfp8,
+            other => {
+                return Err(EngineError::Config(format!(
+                    "quantization mode {other:?} is not supported (affine, mxfp4, nvfp4, mxfp8 are)"
+                )));
+            }
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Affine => "affine",
+            Self::Mxfp4 => "mxfp4",
+            Self::Nvfp4 => "nvfp4",
+            Self::Mxfp8 => "mxfp8",
+        }
+    }
+
+    /// mlx-lm's defaults for a mode: (group size, bits).
+    fn defaults(self) -> (i32, i32) {
+        match self {
+            Self::Affine => (64, 4),
+            Self::Mxfp4 => (32, 4),
+            Self::Nvfp4 => (16, 4),
+            Self::Mxfp8 => (32, 8),
+        }
+    }
+}
+
+/// How one module's matrix is packed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuantParams {
+    pub group_size: i32,
+    /// None: inferred from the packed width (GGUF, where it varies by tensor).
+    pub bits: Option<i32>,
+    pub mode: QuantMode,
+}
+
+/// The packing of a model's quantised matrices: one default, and per-module overrides as
+/// mlx-lm writes them in config.json's `quantization` (`{"group_size": 64, "bits": 4,
+/// "mode": "affine", "model.layers.0.mlp.down_proj": {"group_size": 32, "bits": 8}, ...}`).
+/// A module without `.scales` is dense whatever this says (mlx-lm decides the same way).
+#[derive(Debug, Clone, PartialEq)]
+pub struct QuantSpec {
+    default: QuantParams,
+    per_module: HashMap<String, QuantParams>,
+}
+
+impl QuantSpec {
+    /// Affine with one group size, the bits read off each tensor (GGUF's Q4_0/Q4_1/Q8_0: 32).
+    pub fn affine(group_size: i32) -> Self {
+        Self {
+            default: QuantParams {
+                group_size,
+                bits: None,
+                mode: QuantMode::Affine,
+            },
+            per_module: HashMap::new(),
+        }
+    }
+
+    /// From config.json's `quantization` (or `quantization_config`, its copy for the HF tree).
+    pub fn from_mlx_config(value: &serde_json::Value) -> Result<Self> {
+        let obj = value.as_object().ok_or_else(|| {
+            EngineError::Config(format!("quantization is not an object: {value}"))
+        })?;
+        let default = Self::params(obj, None)?;
+        let mut per_module = HashMap::new();
+        for (key, v) in obj {
+            match v {
+                serde_json::Value::Object(o) => {
+                    per_module.insert(key.clone(), Self::params(o, Some(default))?);
+                }
+                // `false`: left dense (its tensors have no scales); `true`: the default.
+                serde_json::Value::Bool(_) => {}
+                _ if ["group_size", "bits", "mode", "quant_method"].contains(&key.as_str()) => {}
+                _ => {
+                    return Err(EngineError::Config(format!(
+                        "quantization.{key} = {v} is not understood"
+                    )));
+                }
+            }
+        }
+        Ok(Self {
+            default,
+            per_module,
+        })
+    }
+
+    fn params(
+        obj: &serde_json::Map<String, serde_json::Value>,
+        inherit: Option<QuantParams>,
+    ) -> Result<QuantParams> {
+        let mode = match obj.get("mode").and_then(|m| m.as_str()) {
+            Some(m) => QuantMode::parse(m)?,
+            None => inherit.map_or(QuantMode::Affine, |p| p.mode),
+        };
+        let (group_default, bits_default) = match inherit {
+            Some(p) if p.mode == mode => (p.group_size, p.bits.unwrap_or(mode.defaults().1)),
+            _ => mode.defaults(),
+        };
+        let int = |key: &str, default: i32| -> Result<i32> {
+            match obj.get(key) {
+                None => Ok(default),
+                Some(v) => v
+                    .as_i64()
+                    .and_then(|n| i32::try_from(n).ok())
+                    .filter(|n| *n > 0)
+                    .ok_or_else(|| {
+                        EngineError::Config(format!("quantization {key} = {v} is not valid"))
+                    }),
+            }
+        };
+        Ok(QuantParams {
+            group_size: int("group_size", group_default)?,
+            bits: Some(int("bits", bits_default)?),
+            mode,
+        })
+    }
+
+    /// The float modes any module uses (they are expanded at load).
+    pub fn float_modes(&self) -> Vec<&'static str> {
+        let mut modes: Vec<&'static str> = std::iter::once(self.default)
+            .chain(self.per_module.values().copied())
+            .filter(|p| p.mode != QuantMode::Affine)
+            .map(|p| p.mode.name())
+            .collect();
+        modes.sort_unstable();
+        modes.dedup();
+        modes
+    }
+
+    /// The packing of module `base` (a tensor name without `.weight`).
+    pub fn of(&self, base: &str) -> QuantParams {
+        self.per_module.get(base).copied().unwrap_or(self.default)
+    }
+}
+
 /// Named tensors from a model file, in MLX's quantised layout where quantised: a packed
-/// `<base>.weight` (uint32) with `<base>.scales` and `<base>.biases`.
+/// `<base>.weight` (uint32) with `<base>.scales` (and `<base>.biases` in affine mode).
 pub struct TensorStore {
     tensors: HashMap<String, Array>,
-    /// Group size of quantised tensors (32 for GGUF's Q4_0/Q4_1/Q8_0).
-    pub group_size: i32,
+    pub quant: QuantSpec,
 }
 
 impl TensorStore {
-    pub fn new(tensors: HashMap<String, Array>, group_size: i32) -> Self {
-        Self {
-            tensors,
-            group_size,
-        }
+    pub fn new(tensors: HashMap<String, Array>, quant: QuantSpec) -> Self {
+        Self { tensors, quant }
     }
 
     pub fn get(&self, name: &str) -> Option<&Array> {
@@ -102,7 +252,7 @@ impl TensorStore {
         let Some(scales) = self.get(&format!("{base}.scales")) else {
             return Ok(Matrix::Dense(weight.as_dtype(policy.compute)?));
         };
-        let biases = self.require(&format!("{base}.biases"))?;
+        let params = self.quant.of(base);
         let bad = |reason: String| EngineError::BadTensor {
             name: weight_name.clone(),
             reason,
@@ -121,19 +271,29 @@ impl TensorStore {
                 weight.shape()
             )));
         }
-        let in_features = groups * self.group_size;
+        let in_features = groups * params.group_size;
         // Each uint32 packs 32 / bits values: packed = in * bits / 32.
-        let bits = packed * 32 / in_features;
-        if !matches!(bits, 2 | 3 | 4 | 5 | 6 | 8) || packed * 32 != bits * in_features {
+        let bits = params.bits.unwrap_or(packed * 32 / in_features);
+        if !matches!(bits, 2..=6 | 8) || packed * 32 != bits * in_features {
             return Err(bad(format!(
-                "cannot infer bits from packed width {packed} and {in_features} inputs"
+                "a packed width of {packed} does not hold {in_features} inputs of {bits} bits \
+                 in groups of {} ({} mode)",
+                params.group_size,
+                params.mode.name()
             )));
         }
+        if params.mode != QuantMode::Affine {
+            // The float modes are expanded at load on every device: mlx-rs's products take
+            // only affine packing (logged by the loader).
+            let dense = dequantize_mode(weight, scales, params.group_size, bits, params.mode)?;
+            return Ok(Matrix::Dense(dense.as_dtype(policy.compute)?));
+        }
+        let biases = self.require(&format!("{base}.biases"))?;
         let q = QuantizedMatrix {
             weight: weight.clone(),
             scales: scales.as_dtype(policy.compute)?,
             biases: biases.as_dtype(policy.compute)?,
-            group_size: self.group_size,
+            group_size: params.group_size,
             bits,
         };
         if policy.quantized_weights {
@@ -146,6 +306,56 @@ impl TensorStore {
     /// A norm weight, in the compute dtype.
     pub fn vector(&self, name: &str, policy: DtypePolicy) -> Result<Array> {
         Ok(self.require(name)?.as_dtype(policy.compute)?)
+    }
+}
+
+/// MLX's `dequantize` in a float mode (mlx-rs binds only affine): scales without biases.
+fn dequantize_mode(
+    weight: &Array,
+    scales: &Array,
+    group_size: i32,
+    bits: i32,
+    mode: QuantMode,
+) -> Result<Array> {
+    let mode = std::ffi::CString::new(mode.name())
+        .map_err(|e| EngineError::Load(format!("quantization mode: {e}")))?;
+    let stream = mlx_rs::Stream::thread_local_or_default();
+    let optional = |value| mlx_sys::mlx_optional_int_ {
+        value,
+        has_value: true,
+    };
+    // SAFETY: every handle passed is alive for the call (borrowed arrays and stream, empty
+    // arrays made here); `res` receives a new array that `from_ptr` takes ownership of, and is
+    // freed by that Array's drop on success as on failure.
+    unsafe {
+        let mut res = mlx_sys::mlx_array_new();
+        let none = mlx_sys::mlx_array_new();
+        let no_scale = mlx_sys::mlx_array_new();
+        let status = mlx_sys::mlx_dequantize(
+            &mut res,
+            weight.as_ptr(),
+            scales.as_ptr(),
+            none,
+            optional(group_size),
+            optional(bits),
+            mode.as_ptr(),
+            no_scale,
+            mlx_sys::mlx_optional_dtype_ {
+                value: mlx_sys::mlx_dtype__MLX_FLOAT32,
+                has_value: false,
+            },
+            stream.as_ptr(),
+        );
+        mlx_sys::mlx_array_free(none);
+        mlx_sys::mlx_array_free(no_scale);
+        let out = Array::from_ptr(res);
+        if status != 0 {
+            return Err(EngineError::Load(format!(
+                "MLX could not dequantise {} weights",
+                mode.to_string_lossy()
+            )));
+        }
+        Ok(out)
     }
 }
 
@@ -284,5 +494,51 @@ impl Linear {
             Some(b) => y.add(b)?,
             None => y,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mlx_lm_quantization_configs_are_read_per_module() {
+        let spec = QuantSpec::from_mlx_config(&serde_json::json!({
+            "group_size": 64, "bits": 4, "mode": "affine",
+            "model.layers.0.mlp.down_proj": {"group_size": 32, "bits": 8},
+            "model.layers.1.mlp.down_proj": false,
+            "model.embed_tokens": {"bits": 6},
+            "lm_head": {"mode": "mxfp4"},
+        }))
+        .unwrap();
+        let p = |group_size, bits, mode| QuantParams {
+            group_size,
+            bits: Some(bits),
+            mode,
+        };
+        assert_eq!(
+            spec.of("model.layers.3.self_attn.q_proj"),
+            p(64, 4, QuantMode::Affine)
+        );
+        assert_eq!(
+            spec.of("model.layers.0.mlp.down_proj"),
+            p(32, 8, QuantMode::Affine)
+        );
+        // Unspecified fields inherit the default of the same mode, else the mode's own.
+        assert_eq!(spec.of("model.embed_tokens"), p(64, 6, QuantMode::Affine));
+        assert_eq!(spec.of("lm_head"), p(32, 4, QuantMode::Mxfp4));
+        assert_eq!(spec.float_modes(), vec!["mxfp4"]);
+        // Older uploads: no mode at all.
+        let old = QuantSpec::from_mlx_config(&serde_json::json!({"group_size": 32, "bits": 8}));
+        assert_eq!(old.unwrap().of("x"), p(32, 8, QuantMode::Affine));
+
+        for bad in [
+            serde_json::json!({"group_size": 64, "bits": 4, "mode": "int3"}),
+            serde_json::json!({"group_size": -1, "bits": 4}),
+            serde_json::json!({"group_size": 64, "bits": 4, "x": 3}),
+            serde_json::json!([1, 2]),
+        ] {
+            assert!(QuantSpec::from_mlx_config(&bad).is_err(), "{bad}");
+        }
     }
 }
