@@ -4,6 +4,7 @@
 pub mod config;
 pub mod discovery;
 pub mod http;
+pub mod pull;
 pub mod stderr_tail;
 pub mod supervisor;
 pub mod workers;

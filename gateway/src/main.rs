@@ -65,6 +65,21 @@ enum Command {
         #[command(flatten)]
         client: ClientArgs,
     },
+    /// Download a model from the Hugging Face Hub (or $HF_ENDPOINT) into the Hugging Face
+    /// cache ($HF_HUB_CACHE, $HF_HOME/hub or ~/.cache/huggingface/hub), shared with other
+    /// tools; resumable, with SHA-256 checks; $HF_TOKEN or the cache's token file for gated
+    /// models. Prints the snapshot folder (serve it with --model-dir on the cache, or
+    /// --discover).
+    Pull {
+        /// org/name or org/name@revision (branch, tag or commit).
+        model: String,
+        /// Only files matching this pattern (`*` wildcards; repeatable), e.g. "*Q4_K_M.gguf".
+        #[arg(long)]
+        include: Vec<String>,
+        /// The hub cache folder to download into.
+        #[arg(long)]
+        cache_dir: Option<std::path::PathBuf>,
+    },
     /// The cache service's statistics, or clear a model's blocks.
     Cache {
         #[command(subcommand)]
@@ -264,6 +279,24 @@ fn main() -> anyhow::Result<()> {
         Command::Unpin { model, client } => {
             runtime.block_on(model_action(&client, &model, "unpin"))
         }
+        Command::Pull {
+            model,
+            include,
+            cache_dir,
+        } => runtime.block_on(async {
+            use std::io::IsTerminal;
+            let snapshot = strata_gateway::pull::pull(strata_gateway::pull::PullRequest {
+                spec: model.clone(),
+                include,
+                cache_dir,
+                progress: std::io::stderr().is_terminal(),
+            })
+            .await?;
+            let id = model.split('@').next().unwrap_or(&model);
+            println!("{}", snapshot.display());
+            eprintln!("pulled {model}: served as {id} by --discover or --model-dir on the cache");
+            Ok(())
+        }),
         Command::Cache { action } => match action {
             CacheAction::Stats(c) => {
                 runtime.block_on(client_get(&c, "/admin/api/cache/stats", true))

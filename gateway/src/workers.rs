@@ -485,7 +485,7 @@ impl Registry {
 /// Whether `name` matches `pattern`, where `*` stands for any run of characters. Alias
 /// patterns are this small (`claude-*`, `gpt-*-mini`); a glob crate would add path rules
 /// that do not apply to model names.
-fn wildcard_match(pattern: &str, name: &str) -> bool {
+pub(crate) fn wildcard_match(pattern: &str, name: &str) -> bool {
     let mut parts = pattern.split('*');
     let first = parts.next().unwrap_or_default();
     let Some(mut rest) = name.strip_prefix(first) else {
