@@ -6,4 +6,5 @@
 
 pub mod attention;
 pub mod matmul;
+pub mod packed;
 pub mod softmax;

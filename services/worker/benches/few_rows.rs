@@ -1,11 +1,15 @@
-//! `x · Wᵀ` for 1-16 rows on SmolLM2-135M's weight shapes: MLX's product (OpenBLAS) beside
-//! `strata_cpu_kernels::matmul::x_wt`, which the engine uses up to `MAX_ROWS` rows on a CPU.
-//! `cargo bench -p strata-worker --bench few_rows`; medians of 20 calls, in ms.
+//! `x · Wᵀ` for 1-32 rows on SmolLM2-135M's and Qwen2.5-1.5B's weight shapes: MLX's product
+//! (OpenBLAS) on f32 weights beside `strata_cpu_kernels::matmul::x_wt` on the same f32 weights
+//! and `strata_cpu_kernels::packed` on 8-bit codes with a scale and bias per 32 (a Q8_0 or
+//! Q4_1 file's weights), which the engine uses up to `MAX_ROWS` / `PACKED_MAX_ROWS` rows on a
+//! CPU. `cargo bench -p strata-worker --bench few_rows`; medians of 20 calls, in ms.
 
 use std::time::Instant;
 
 use mlx_rs::Array;
 use strata_cpu_kernels::matmul::{MAX_ROWS, x_wt};
+use strata_cpu_kernels::packed::PackedMatrix;
+use strata_worker::engine::weights::PACKED_MAX_ROWS;
 
 fn values(len: usize, seed: u32) -> Vec<f32> {
     let mut s = seed;
@@ -31,14 +35,26 @@ fn median_ms(f: &dyn Fn()) -> f64 {
 }
 
 fn main() {
-    println!("kernel used up to {MAX_ROWS} rows");
-    println!("| weights (n x k) | rows | MLX ms | kernel ms |");
-    println!("|---|---|---|---|");
-    for (n, k) in [(576usize, 576usize), (1536, 576), (576, 1536), (49152, 576)] {
-        let w = values(n * k, 2);
+    println!("f32 kernel used up to {MAX_ROWS} rows, codes up to {PACKED_MAX_ROWS}");
+    println!("| weights (n x k) | rows | MLX f32 ms | kernel f32 ms | kernel codes ms |");
+    println!("|---|---|---|---|---|");
+    for (n, k) in [
+        (576usize, 576usize),
+        (1536, 576),
+        (576, 1536),
+        (49152, 576),
+        (8960, 1536),
+        (1536, 8960),
+    ] {
+        let group = 32;
+        let words: Vec<u32> = values(n * k / 4, 3).iter().map(|v| v.to_bits()).collect();
+        let scales: Vec<f32> = values(n * k / group, 4).iter().map(|v| v * 0.01).collect();
+        let packed = PackedMatrix::from_mlx_words(&words, 8, &scales, &scales, n, k, group)
+            .expect("a valid matrix");
+        let w = packed.dequantize();
         let wa = Array::from_slice(&w, &[n as i32, k as i32]);
         wa.eval().expect("eval");
-        for rows in [1usize, 4, 8, 12, 16] {
+        for rows in [1usize, 4, 8, 16, 24, 32] {
             let x = values(rows * k, 1);
             let xa = Array::from_slice(&x, &[rows as i32, k as i32]);
             xa.eval().expect("eval");
@@ -47,10 +63,13 @@ fn main() {
                     .and_then(|y| y.eval())
                     .expect("MLX product");
             });
-            let ours = median_ms(&|| {
+            let dense = median_ms(&|| {
                 std::hint::black_box(x_wt(&x, rows, &w, n, k));
             });
-            println!("| {n} x {k} | {rows} | {mlx:.3} | {ours:.3} |");
+            let codes = median_ms(&|| {
+                std::hint::black_box(packed.x_wt(&x, rows));
+            });
+            println!("| {n} x {k} | {rows} | {mlx:.3} | {dense:.3} | {codes:.3} |");
         }
     }
 }

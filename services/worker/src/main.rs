@@ -196,6 +196,7 @@ impl ModelArgs {
             model = %self.model.display(),
             policy = %policy,
             seconds = started.elapsed().as_secs_f32(),
+            weight_codes_mb = model.model.weight_code_bytes() / (1 << 20),
             "model loaded"
         );
         if let Some(path) = &self.draft.draft_model {

@@ -285,6 +285,20 @@ impl Model {
         &self.config
     }
 
+    /// Bytes of the weights kept as codes for the few-rows kernel (0 unless a CPU serves a
+    /// quantised file).
+    pub fn weight_code_bytes(&self) -> usize {
+        let layers = self
+            .layers
+            .iter()
+            .flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down].map(|lin| &lin.matrix));
+        layers
+            .chain(std::iter::once(&self.embed))
+            .chain(self.head.as_ref())
+            .map(Matrix::code_bytes)
+            .sum()
+    }
+
     /// Serves `tokens` of context instead of the model's own. Positions are rotated on the fly
     /// (no table sized by the context), so only the limit moves.
     pub fn set_context_length(&mut self, tokens: usize) {
@@ -401,7 +415,9 @@ impl Model {
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         let mut attention: Option<Array> = None;
         // A decode step or a short chunk: products by the few-rows CPU kernel (`strata_cpu_kernels::matmul`).
-        let few = self.cpu_attention && at as usize <= strata_cpu_kernels::matmul::MAX_ROWS;
+        let few = self.cpu_attention
+            && at as usize
+                <= strata_cpu_kernels::matmul::MAX_ROWS.max(super::weights::PACKED_MAX_ROWS);
         for (li, layer) in self.layers.iter().enumerate() {
             let normed = fast::rms_norm(&x, Some(&layer.attn_norm), c.rms_norm_eps)?;
             let q = layer.q.forward_on(&normed, few)?;

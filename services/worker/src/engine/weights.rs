@@ -2,10 +2,12 @@
 //! norms. Built from a `TensorStore` (GGUF or safetensors) under a `DtypePolicy`.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::ops::{dequantize, quantized_matmul};
 use mlx_rs::{Array, Dtype};
+use strata_cpu_kernels::packed::PackedMatrix;
 
 use super::policy::DtypePolicy;
 use super::{EngineError, Result};
@@ -213,10 +215,7 @@ impl TensorStore {
         policy: DtypePolicy,
     ) -> Result<Vec<Linear>> {
         let fused = self.linear(base, policy)?;
-        let rows = match &fused.matrix {
-            Matrix::Dense(w) => w.shape()[0],
-            Matrix::Quantized(q) => q.weight.shape()[0],
-        };
+        let rows = fused.matrix.out_features();
         if sizes.iter().sum::<usize>() != rows as usize {
             return Err(EngineError::BadTensor {
                 name: format!("{base}.weight"),
@@ -230,6 +229,15 @@ impl TensorStore {
             let cut = |a: &Array| -> Result<Array> { Ok(a.try_index(range.clone())?) };
             let matrix = match &fused.matrix {
                 Matrix::Dense(w) => Matrix::Dense(cut(w)?),
+                Matrix::WithCodes { dense, packed } => Matrix::WithCodes {
+                    dense: cut(dense)?,
+                    packed: Arc::new(packed.rows(at as usize, n).ok_or_else(|| {
+                        EngineError::BadTensor {
+                            name: format!("{base}.weight"),
+                            reason: format!("rows {at}..{} past its codes", at as usize + n),
+                        }
+                    })?),
+                },
                 Matrix::Quantized(q) => Matrix::Quantized(QuantizedMatrix {
                     weight: cut(&q.weight)?,
                     scales: cut(&q.scales)?,
@@ -297,9 +305,24 @@ impl TensorStore {
             bits,
         };
         if policy.quantized_weights {
-            Ok(Matrix::Quantized(q))
-        } else {
-            Ok(Matrix::Dense(q.dequantize()?.as_dtype(policy.compute)?))
+            return Ok(Matrix::Quantized(q));
+        }
+        let dense = q.dequantize()?.as_dtype(policy.compute)?;
+        if policy.compute != Dtype::Float32 || !codes_enabled() {
+            return Ok(Matrix::Dense(dense));
+        }
+        // f32 on a CPU: the file's codes are kept too, for products of a few rows (decode
+        // steps, short chunks), where reading 1-byte codes instead of 4-byte floats is what
+        // makes them faster; longer products stay with MLX on the expansion.
+        match packed_codes(&q, out as usize, in_features as usize) {
+            Ok(packed) => Ok(Matrix::WithCodes {
+                dense,
+                packed: Arc::new(packed),
+            }),
+            Err(reason) => {
+                tracing::debug!(matrix = %weight_name, %reason, "kept as f32 only");
+                Ok(Matrix::Dense(dense))
+            }
         }
     }
 
@@ -307,6 +330,42 @@ impl TensorStore {
     pub fn vector(&self, name: &str, policy: DtypePolicy) -> Result<Array> {
         Ok(self.require(name)?.as_dtype(policy.compute)?)
     }
+}
+
+/// Whether quantised weights also keep their codes on a CPU (`STRATA_WEIGHT_CODES=0` turns it
+/// off, for measuring the kernel against the f32 expansion: both compute the same weights).
+fn codes_enabled() -> bool {
+    std::env::var("STRATA_WEIGHT_CODES").map_or(true, |v| v != "0")
+}
+
+/// An affine quantised matrix's codes, scales and biases, unpacked for `PackedMatrix`.
+fn packed_codes(
+    q: &QuantizedMatrix,
+    n: usize,
+    k: usize,
+) -> std::result::Result<PackedMatrix, String> {
+    let f32s = |a: &Array| -> std::result::Result<Vec<f32>, String> {
+        let a = a.as_dtype(Dtype::Float32).map_err(|e| e.to_string())?;
+        a.eval().map_err(|e| e.to_string())?;
+        a.try_as_slice::<f32>()
+            .map(<[f32]>::to_vec)
+            .map_err(|e| e.to_string())
+    };
+    let (scales, biases) = (f32s(&q.scales)?, f32s(&q.biases)?);
+    if q.weight.dtype() != Dtype::Uint32 {
+        return Err(format!("packed as {:?}, not uint32", q.weight.dtype()));
+    }
+    q.weight.eval().map_err(|e| e.to_string())?;
+    let words = q.weight.try_as_slice::<u32>().map_err(|e| e.to_string())?;
+    PackedMatrix::from_mlx_words(
+        words,
+        q.bits as usize,
+        &scales,
+        &biases,
+        n,
+        k,
+        q.group_size as usize,
+    )
 }
 
 /// MLX's `dequantize` in a float mode (mlx-rs binds only affine): scales without biases.
@@ -385,12 +444,22 @@ impl QuantizedMatrix {
 pub enum Matrix {
     Dense(Array),
     Quantized(QuantizedMatrix),
+    /// f32 (a CPU) from a quantised file: the expansion for MLX's products and the file's codes
+    /// for the few-rows kernel (`strata_cpu_kernels::packed`).
+    WithCodes {
+        dense: Array,
+        packed: Arc<PackedMatrix>,
+    },
 }
+
+/// Rows up to which products against a matrix's codes use the packed kernel: measured beside
+/// MLX's OpenBLAS product on the f32 expansion (`cargo bench -p strata-worker --bench few_rows`).
+pub const PACKED_MAX_ROWS: usize = 16;
 
 impl Matrix {
     pub fn eval(&self) -> Result<()> {
         match self {
-            Matrix::Dense(w) => w.eval()?,
+            Matrix::Dense(w) | Matrix::WithCodes { dense: w, .. } => w.eval()?,
             Matrix::Quantized(q) => {
                 q.weight.eval()?;
                 q.scales.eval()?;
@@ -403,7 +472,7 @@ impl Matrix {
     /// `x @ W.T`.
     pub fn apply(&self, x: &Array) -> Result<Array> {
         Ok(match self {
-            Matrix::Dense(w) => x.matmul(w.t())?,
+            Matrix::Dense(w) | Matrix::WithCodes { dense: w, .. } => x.matmul(w.t())?,
             Matrix::Quantized(q) => quantized_matmul(
                 x,
                 &q.weight,
@@ -420,8 +489,10 @@ impl Matrix {
     /// weights, an evaluated f32 `x` of `[rows, k]` with at most `strata_cpu_kernels::matmul::MAX_ROWS` rows.
     /// `x` is evaluated here (the kernel reads its memory). None: use `apply`.
     pub fn apply_few_rows(&self, x: &Array) -> Result<Option<Array>> {
-        let Matrix::Dense(w) = self else {
-            return Ok(None);
+        let w = match self {
+            Matrix::Dense(w) => w,
+            Matrix::WithCodes { packed, .. } => return apply_codes(packed, x),
+            Matrix::Quantized(_) => return Ok(None),
         };
         let (xs, ws) = (x.shape(), w.shape());
         if xs.len() != 2
@@ -443,10 +514,26 @@ impl Matrix {
         Ok(Some(Array::from_slice(&out, &[xs[0], ws[0]])))
     }
 
+    /// Bytes of codes kept beside the expansion (`WithCodes`), else 0.
+    pub fn code_bytes(&self) -> usize {
+        match self {
+            Matrix::WithCodes { packed, .. } => packed.bytes(),
+            _ => 0,
+        }
+    }
+
+    /// The number of output rows.
+    pub fn out_features(&self) -> i32 {
+        match self {
+            Matrix::Dense(w) | Matrix::WithCodes { dense: w, .. } => w.shape()[0],
+            Matrix::Quantized(q) => q.weight.shape()[0],
+        }
+    }
+
     /// Rows `ids` of the matrix (an embedding lookup), dense, in `dtype`.
     pub fn rows(&self, ids: &Array, dtype: Dtype) -> Result<Array> {
         Ok(match self {
-            Matrix::Dense(w) => w.take_axis(ids, 0)?,
+            Matrix::Dense(w) | Matrix::WithCodes { dense: w, .. } => w.take_axis(ids, 0)?,
             Matrix::Quantized(q) => dequantize(
                 q.weight.take_axis(ids, 0)?,
                 q.scales.take_axis(ids, 0)?,
@@ -457,6 +544,25 @@ impl Matrix {
             .as_dtype(dtype)?,
         })
     }
+}
+
+/// `x @ W.T` by the packed kernel: an evaluated f32 `x` of `[rows, k]`, at most
+/// `PACKED_MAX_ROWS` rows. None: use `apply`.
+fn apply_codes(packed: &PackedMatrix, x: &Array) -> Result<Option<Array>> {
+    let xs = x.shape();
+    if xs.len() != 2
+        || xs[0] as usize > PACKED_MAX_ROWS
+        || xs[1] as usize != packed.k()
+        || x.dtype() != Dtype::Float32
+    {
+        return Ok(None);
+    }
+    x.eval()?;
+    let Ok(xv) = x.try_as_slice::<f32>() else {
+        return Ok(None);
+    };
+    let out = packed.x_wt(xv, xs[0] as usize);
+    Ok(Some(Array::from_slice(&out, &[xs[0], packed.n() as i32])))
 }
 
 pub struct Linear {
@@ -500,6 +606,74 @@ impl Linear {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The codes kept on a CPU are MLX's own quantisation of the matrix, at every width MLX
+    /// packs: the packed kernel's product equals MLX's on the expansion within f32 rounding,
+    /// for decode-sized and chunk-sized `x`, and a fused matrix's parts keep their codes.
+    #[test]
+    fn a_quantised_matrix_keeps_codes_that_compute_as_its_expansion_on_a_cpu() {
+        let (n, k) = (48, 256);
+        let values: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * 0.2)
+            .collect();
+        let w = Array::from_slice(&values, &[n as i32, k as i32]);
+        for (bits, group) in [
+            (4, 32),
+            (8, 32),
+            (4, 64),
+            (3, 64),
+            (6, 128),
+            (2, 32),
+            (5, 32),
+        ] {
+            let (wq, scales, biases) = mlx_rs::ops::quantize(&w, group, bits).unwrap();
+            let tensors = HashMap::from([
+                ("m.weight".to_string(), wq),
+                ("m.scales".to_string(), scales),
+                ("m.biases".to_string(), biases),
+            ]);
+            let store = TensorStore::new(tensors, QuantSpec::affine(group));
+            let matrix = store.matrix("m", DtypePolicy::F32).unwrap();
+            let Matrix::WithCodes { dense, .. } = &matrix else {
+                panic!("{bits} bits in groups of {group}: no codes kept");
+            };
+            for rows in [1, 5, PACKED_MAX_ROWS] {
+                let x: Vec<f32> = (0..rows * k)
+                    .map(|i| (i % 13) as f32 / 13.0 - 0.4)
+                    .collect();
+                let x = Array::from_slice(&x, &[rows as i32, k as i32]);
+                let ours = matrix.apply_few_rows(&x).unwrap().unwrap();
+                let mlx = x.matmul(dense.t()).unwrap();
+                let (ours, mlx) = (ours.as_slice::<f32>(), mlx.as_slice::<f32>());
+                let largest = mlx.iter().fold(0f32, |m, v| m.max(v.abs()));
+                for (a, b) in ours.iter().zip(mlx) {
+                    // Sums of 256 products in another order: f32 rounding, far below 1e-5 of
+                    // the largest output.
+                    assert!(
+                        (a - b).abs() <= 1e-5 * largest,
+                        "{bits} bits, group {group}, {rows} rows: {a} vs {b}"
+                    );
+                }
+            }
+            let parts = store
+                .linear_split("m", &[16, 32], DtypePolicy::F32)
+                .unwrap();
+            assert!(parts.iter().all(|p| p.matrix.code_bytes() > 0));
+        }
+        // Past the row limit the expansion serves (MLX's product).
+        let (wq, scales, biases) = mlx_rs::ops::quantize(&w, 32, 4).unwrap();
+        let store = TensorStore::new(
+            HashMap::from([
+                ("m.weight".to_string(), wq),
+                ("m.scales".to_string(), scales),
+                ("m.biases".to_string(), biases),
+            ]),
+            QuantSpec::affine(32),
+        );
+        let matrix = store.matrix("m", DtypePolicy::F32).unwrap();
+        let x = Array::zeros::<f32>(&[PACKED_MAX_ROWS as i32 + 1, k as i32]).unwrap();
+        assert!(matrix.apply_few_rows(&x).unwrap().is_none());
+    }
 
     #[test]
     fn mlx_lm_quantization_configs_are_read_per_module() {

@@ -1,0 +1,64 @@
+//! `x · Wᵀ` for 1-16 rows: f32 weights (`matmul::x_wt`) beside the same weights as 8-bit codes
+//! with a scale and bias per group of 32 (`packed::PackedMatrix`), on SmolLM2-135M's and
+//! Qwen2.5-1.5B's weight shapes. `cargo bench -p strata-cpu-kernels --bench packed`; medians
+//! of 20 calls, in ms.
+
+use std::time::Instant;
+
+use strata_cpu_kernels::matmul::x_wt;
+use strata_cpu_kernels::packed::PackedMatrix;
+
+fn values(len: usize, seed: u32) -> Vec<f32> {
+    let mut s = seed;
+    (0..len)
+        .map(|_| {
+            s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            (s >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+        })
+        .collect()
+}
+
+fn median_ms(f: &dyn Fn()) -> f64 {
+    f();
+    let mut runs: Vec<f64> = (0..20)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    runs.sort_by(f64::total_cmp);
+    runs[runs.len() / 2]
+}
+
+fn main() {
+    println!("| weights (n x k) | rows | f32 ms | 8-bit codes ms | speed-up |");
+    println!("|---|---|---|---|---|");
+    for (n, k) in [
+        (576usize, 576usize),
+        (1536, 576),
+        (49152, 576),
+        (8960, 1536),
+        (1536, 8960),
+    ] {
+        let group = 32;
+        let words: Vec<u32> = values(n * k / 4, 3).iter().map(|v| v.to_bits()).collect();
+        let scales: Vec<f32> = values(n * k / group, 4).iter().map(|v| v * 0.01).collect();
+        let packed = PackedMatrix::from_mlx_words(&words, 8, &scales, &scales, n, k, group)
+            .expect("a valid matrix");
+        let w = packed.dequantize();
+        for rows in [1usize, 4, 8, 16] {
+            let x = values(rows * k, 1);
+            let dense = median_ms(&|| {
+                std::hint::black_box(x_wt(&x, rows, &w, n, k));
+            });
+            let codes = median_ms(&|| {
+                std::hint::black_box(packed.x_wt(&x, rows));
+            });
+            println!(
+                "| {n} x {k} | {rows} | {dense:.3} | {codes:.3} | {:.2}x |",
+                dense / codes
+            );
+        }
+    }
+}
