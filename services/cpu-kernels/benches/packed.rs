@@ -1,6 +1,6 @@
-//! `x · Wᵀ` for 1-16 rows: f32 weights (`matmul::x_wt`) beside the same weights as 8-bit codes
-//! with a scale and bias per group of 32 (`packed::PackedMatrix`), on SmolLM2-135M's and
-//! Qwen2.5-1.5B's weight shapes. `cargo bench -p strata-cpu-kernels --bench packed`; medians
+//! `x · Wᵀ` for 1-16 rows: f32 weights (`matmul::x_wt`) beside weights as 8-bit and 4-bit
+//! codes with an f16 scale and bias per group of 32 (`packed::PackedMatrix`), on SmolLM2-135M's
+//! and Qwen2.5-1.5B's weight shapes. `cargo bench -p strata-cpu-kernels --bench packed`; medians
 //! of 20 calls, in ms.
 
 use std::time::Instant;
@@ -32,7 +32,7 @@ fn median_ms(f: &dyn Fn()) -> f64 {
 }
 
 fn main() {
-    println!("| weights (n x k) | rows | f32 ms | 8-bit codes ms | speed-up |");
+    println!("| weights (n x k) | rows | f32 ms | 8-bit codes ms | 4-bit codes ms |");
     println!("|---|---|---|---|---|");
     for (n, k) in [
         (576usize, 576usize),
@@ -42,9 +42,16 @@ fn main() {
         (1536, 8960),
     ] {
         let group = 32;
-        let words: Vec<u32> = values(n * k / 4, 3).iter().map(|v| v.to_bits()).collect();
-        let scales: Vec<f32> = values(n * k / group, 4).iter().map(|v| v * 0.01).collect();
-        let packed = PackedMatrix::from_mlx_words(&words, 8, &scales, &scales, n, k, group)
+        let words: Vec<u32> = values(n * k / 8, 3).iter().map(|v| v.to_bits()).collect();
+        // f16 scales, as the files have them.
+        let scales: Vec<f32> = values(n * k / group, 4)
+            .iter()
+            .map(|v| (v * 1024.0).round() / 65536.0)
+            .collect();
+        let packed = PackedMatrix::from_mlx_words(&words, 4, &scales, &scales, n, k, group)
+            .expect("a valid matrix");
+        let words8: Vec<u32> = values(n * k / 4, 5).iter().map(|v| v.to_bits()).collect();
+        let packed8 = PackedMatrix::from_mlx_words(&words8, 8, &scales, &scales, n, k, group)
             .expect("a valid matrix");
         let w = packed.dequantize();
         for rows in [1usize, 4, 8, 16] {
@@ -52,13 +59,13 @@ fn main() {
             let dense = median_ms(&|| {
                 std::hint::black_box(x_wt(&x, rows, &w, n, k));
             });
-            let codes = median_ms(&|| {
+            let codes8 = median_ms(&|| {
+                std::hint::black_box(packed8.x_wt(&x, rows));
+            });
+            let codes4 = median_ms(&|| {
                 std::hint::black_box(packed.x_wt(&x, rows));
             });
-            println!(
-                "| {n} x {k} | {rows} | {dense:.3} | {codes:.3} | {:.2}x |",
-                dense / codes
-            );
+            println!("| {n} x {k} | {rows} | {dense:.3} | {codes8:.3} | {codes4:.3} |");
         }
     }
 }

@@ -1,7 +1,7 @@
 //! `x · Wᵀ` for 1-32 rows on SmolLM2-135M's and Qwen2.5-1.5B's weight shapes: MLX's product
 //! (OpenBLAS) on f32 weights beside `strata_cpu_kernels::matmul::x_wt` on the same f32 weights
-//! and `strata_cpu_kernels::packed` on 8-bit codes with a scale and bias per 32 (a Q8_0 or
-//! Q4_1 file's weights), which the engine uses up to `MAX_ROWS` / `PACKED_MAX_ROWS` rows on a
+//! and `strata_cpu_kernels::packed` on 8-bit and 4-bit codes with an f16 scale and bias per 32
+//! (a Q8_0 or Q4_1 file's weights), which the engine uses up to `MAX_ROWS` / `PACKED_MAX_ROWS` rows on a
 //! CPU. `cargo bench -p strata-worker --bench few_rows`; medians of 20 calls, in ms.
 
 use std::time::Instant;
@@ -36,8 +36,10 @@ fn median_ms(f: &dyn Fn()) -> f64 {
 
 fn main() {
     println!("f32 kernel used up to {MAX_ROWS} rows, codes up to {PACKED_MAX_ROWS}");
-    println!("| weights (n x k) | rows | MLX f32 ms | kernel f32 ms | kernel codes ms |");
-    println!("|---|---|---|---|---|");
+    println!(
+        "| weights (n x k) | rows | MLX f32 ms | kernel f32 ms | kernel 8-bit codes ms | kernel 4-bit codes ms |"
+    );
+    println!("|---|---|---|---|---|---|");
     for (n, k) in [
         (576usize, 576usize),
         (1536, 576),
@@ -47,9 +49,16 @@ fn main() {
         (1536, 8960),
     ] {
         let group = 32;
-        let words: Vec<u32> = values(n * k / 4, 3).iter().map(|v| v.to_bits()).collect();
-        let scales: Vec<f32> = values(n * k / group, 4).iter().map(|v| v * 0.01).collect();
-        let packed = PackedMatrix::from_mlx_words(&words, 8, &scales, &scales, n, k, group)
+        let words: Vec<u32> = values(n * k / 8, 3).iter().map(|v| v.to_bits()).collect();
+        // f16 scales, as the files have them.
+        let scales: Vec<f32> = values(n * k / group, 4)
+            .iter()
+            .map(|v| (v * 1024.0).round() / 65536.0)
+            .collect();
+        let packed = PackedMatrix::from_mlx_words(&words, 4, &scales, &scales, n, k, group)
+            .expect("a valid matrix");
+        let words8: Vec<u32> = values(n * k / 4, 5).iter().map(|v| v.to_bits()).collect();
+        let packed8 = PackedMatrix::from_mlx_words(&words8, 8, &scales, &scales, n, k, group)
             .expect("a valid matrix");
         let w = packed.dequantize();
         let wa = Array::from_slice(&w, &[n as i32, k as i32]);
@@ -66,10 +75,13 @@ fn main() {
             let dense = median_ms(&|| {
                 std::hint::black_box(x_wt(&x, rows, &w, n, k));
             });
-            let codes = median_ms(&|| {
+            let codes8 = median_ms(&|| {
+                std::hint::black_box(packed8.x_wt(&x, rows));
+            });
+            let codes4 = median_ms(&|| {
                 std::hint::black_box(packed.x_wt(&x, rows));
             });
-            println!("| {n} x {k} | {rows} | {mlx:.3} | {dense:.3} | {codes:.3} |");
+            println!("| {n} x {k} | {rows} | {mlx:.3} | {dense:.3} | {codes8:.3} | {codes4:.3} |");
         }
     }
 }

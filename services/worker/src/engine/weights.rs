@@ -616,7 +616,10 @@ mod tests {
         let values: Vec<f32> = (0..n * k)
             .map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * 0.2)
             .collect();
-        let w = Array::from_slice(&values, &[n as i32, k as i32]);
+        // f16 weights quantise to f16 scales and biases, as the files hold them.
+        let w = Array::from_slice(&values, &[n as i32, k as i32])
+            .as_dtype(Dtype::Float16)
+            .unwrap();
         for (bits, group) in [
             (4, 32),
             (8, 32),
@@ -660,6 +663,19 @@ mod tests {
                 .unwrap();
             assert!(parts.iter().all(|p| p.matrix.code_bytes() > 0));
         }
+        // Scales that f16 cannot hold exactly (an f32 model quantised in MLX): no codes.
+        let w32 = Array::from_slice(&values, &[n as i32, k as i32]);
+        let (wq, scales, biases) = mlx_rs::ops::quantize(&w32, 32, 4).unwrap();
+        let store = TensorStore::new(
+            HashMap::from([
+                ("m.weight".to_string(), wq),
+                ("m.scales".to_string(), scales),
+                ("m.biases".to_string(), biases),
+            ]),
+            QuantSpec::affine(32),
+        );
+        let matrix = store.matrix("m", DtypePolicy::F32).unwrap();
+        assert!(matches!(matrix, Matrix::Dense(_)));
         // Past the row limit the expansion serves (MLX's product).
         let (wq, scales, biases) = mlx_rs::ops::quantize(&w, 32, 4).unwrap();
         let store = TensorStore::new(
