@@ -6,9 +6,10 @@
 //!
 //! Why: on a CPU a decode step or a short chunk reads every weight once per product, so its
 //! time is the bytes of the weights. Expanded to f32 those are 4 bytes per weight; as codes a
-//! byte, or half of one for codes of up to 4 bits (two to a byte), plus a half-precision scale
-//! and bias per group of 16-128 (the files' own scales are f16; a matrix whose scales or biases
-//! f16 cannot hold exactly gets no codes). The codes are widened to f32 in registers, a few
+//! byte, or half of one for codes of up to 4 bits (two to a byte), plus a scale and a bias per
+//! group of 16-128: half precision where f16 holds them exactly (GGUF's Q4_0/Q4_1/Q8_0 and
+//! mlx-community files store f16 scales), f32 otherwise (a K-quant's scale is an f16 times a
+//! small integer). The codes are widened to f32 in registers, a few
 //! instructions that the memory traffic they save pays for. MLX's CPU
 //! `quantized_matmul` computes the same thing without vectorising the weights' expansion, and
 //! no BLAS we link has such a product.
@@ -16,7 +17,7 @@
 use rayon::prelude::*;
 
 /// A `[n, k]` weight matrix as codes and, per group of `group` consecutive weights of a row, a
-/// scale and a bias as f16 bits. Codes of up to 4 bits in groups of a multiple of 32 go two to
+/// scale and a bias. Codes of up to 4 bits in groups of a multiple of 32 go two to
 /// a byte: in each run of 32 codes, byte `i` holds code `i` in its low nibble and code `i + 16`
 /// in its high one, so that one load yields two vectors of consecutive weights with a mask and
 /// a shift (llama.cpp lays out its Q4_0 blocks the same way). Other codes take a byte each.
@@ -24,11 +25,85 @@ use rayon::prelude::*;
 pub struct PackedMatrix {
     codes: Vec<u8>,
     nibbles: bool,
-    scales: Vec<u16>,
-    biases: Vec<u16>,
+    params: Params,
     n: usize,
     k: usize,
     group: usize,
+}
+
+/// Each group's scale and bias.
+#[derive(Clone)]
+enum Params {
+    /// f16 bits.
+    Half {
+        scales: Vec<u16>,
+        biases: Vec<u16>,
+    },
+    Single {
+        scales: Vec<f32>,
+        biases: Vec<f32>,
+    },
+}
+
+impl Params {
+    /// Groups `from..to` (rows' worth), borrowed for a kernel.
+    fn slice(&self, from: usize, to: usize) -> ParamsRef<'_> {
+        match self {
+            Params::Half { scales, biases } => ParamsRef {
+                s16: &scales[from..to],
+                b16: &biases[from..to],
+                s32: &[],
+                b32: &[],
+            },
+            Params::Single { scales, biases } => ParamsRef {
+                s16: &[],
+                b16: &[],
+                s32: &scales[from..to],
+                b32: &biases[from..to],
+            },
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Params::Half { scales, .. } => scales.len(),
+            Params::Single { scales, .. } => scales.len(),
+        }
+    }
+
+    fn get(&self, g: usize) -> (f32, f32) {
+        self.slice(g, g + 1).get(0)
+    }
+}
+
+/// Scales and biases of some groups: the f16 pair or the f32 pair is empty.
+#[derive(Clone, Copy)]
+struct ParamsRef<'a> {
+    s16: &'a [u16],
+    b16: &'a [u16],
+    s32: &'a [f32],
+    b32: &'a [f32],
+}
+
+impl ParamsRef<'_> {
+    fn half(&self) -> bool {
+        self.s32.is_empty()
+    }
+
+    fn len(&self) -> usize {
+        self.s16.len().max(self.s32.len())
+    }
+
+    fn get(&self, g: usize) -> (f32, f32) {
+        if self.half() {
+            (
+                half::f16::from_bits(self.s16[g]).to_f32(),
+                half::f16::from_bits(self.b16[g]).to_f32(),
+            )
+        } else {
+            (self.s32[g], self.b32[g])
+        }
+    }
 }
 
 /// Weight rows per parallel task, as in the dense kernel.
@@ -42,8 +117,7 @@ fn exact_f16(v: f32) -> Option<u16> {
 
 impl PackedMatrix {
     /// The codes of MLX's affine packing (`bits` per value, a little-endian bit stream of u32
-    /// words, `[n, k · bits / 32]`) with `[n, k / group]` scales and biases. The group must be
-    /// a multiple of 16 (the vector width): 32, 64 and 128 are what MLX and GGUF use.
+    /// words, `[n, k · bits / 32]`) with `[n, k / group]` scales and biases.
     pub fn from_mlx_words(
         words: &[u32],
         bits: usize,
@@ -56,66 +130,91 @@ impl PackedMatrix {
         if !matches!(bits, 2..=6 | 8) {
             return Err(format!("{bits}-bit codes are not supported"));
         }
-        if group == 0 || !group.is_multiple_of(16) || !k.is_multiple_of(group) {
+        if words.len() * 32 != n * k * bits {
             return Err(format!(
-                "a group of {group} does not divide {k} in steps of 16"
+                "{} words do not hold a {n} x {k} matrix of {bits} bits",
+                words.len()
             ));
         }
-        let groups = k / group;
-        if words.len() * 32 != n * k * bits
-            || scales.len() != n * groups
-            || biases.len() != n * groups
-        {
-            return Err(format!(
-                "{} words, {} scales and {} biases do not hold a {n} x {k} matrix of {bits} bits \
-                 in groups of {group}",
-                words.len(),
-                scales.len(),
-                biases.len()
-            ));
-        }
-        let half_bits = |values: &[f32], what: &str| -> Result<Vec<u16>, String> {
-            values
-                .iter()
-                .map(|&v| exact_f16(v).ok_or_else(|| format!("{what} {v} is not exact in f16")))
-                .collect()
-        };
-        let (scales, biases) = (half_bits(scales, "scale")?, half_bits(biases, "bias")?);
         // Values may straddle two words at 3, 5 and 6 bits: read them as one bit stream.
         let mask = (1u64 << bits) - 1;
-        let nibbles = bits <= 4 && group.is_multiple_of(32);
-        let mut codes = Vec::with_capacity(if nibbles { n * k / 2 } else { n * k });
-        let mut row_codes = Vec::with_capacity(k);
-        let row_words = k * bits / 32;
-        for row in words.chunks_exact(row_words) {
+        let mut codes = Vec::with_capacity(n * k);
+        for row in words.chunks_exact(k * bits / 32) {
             let mut buffer = 0u64;
             let mut held = 0usize;
             let mut next = row.iter();
-            row_codes.clear();
             for _ in 0..k {
                 if held < bits {
                     let word = next.next().copied().unwrap_or(0);
                     buffer |= u64::from(word) << held;
                     held += 32;
                 }
-                row_codes.push((buffer & mask) as u8);
+                codes.push((buffer & mask) as u8);
                 buffer >>= bits;
                 held -= bits;
             }
-            if nibbles {
-                for run in row_codes.chunks_exact(32) {
-                    let (low, high) = run.split_at(16);
-                    codes.extend(low.iter().zip(high).map(|(l, h)| l | h << 4));
-                }
-            } else {
-                codes.extend_from_slice(&row_codes);
-            }
         }
+        Self::from_codes(&codes, bits, scales, biases, n, k, group)
+    }
+
+    /// A matrix from one code per weight (`[n, k]`, each below `1 << bits`) and `[n, k / group]`
+    /// scales and biases. The group must be a multiple of 16 (the vector width): GGUF uses 16
+    /// and 32, MLX 32 to 128.
+    pub fn from_codes(
+        codes: &[u8],
+        bits: usize,
+        scales: &[f32],
+        biases: &[f32],
+        n: usize,
+        k: usize,
+        group: usize,
+    ) -> Result<Self, String> {
+        if !(1..=8).contains(&bits) {
+            return Err(format!("{bits}-bit codes are not supported"));
+        }
+        if group == 0 || !group.is_multiple_of(16) || !k.is_multiple_of(group) {
+            return Err(format!(
+                "a group of {group} does not divide {k} in steps of 16"
+            ));
+        }
+        let groups = k / group;
+        if codes.len() != n * k || scales.len() != n * groups || biases.len() != n * groups {
+            return Err(format!(
+                "{} codes, {} scales and {} biases do not make a {n} x {k} matrix in groups \
+                 of {group}",
+                codes.len(),
+                scales.len(),
+                biases.len()
+            ));
+        }
+        if let Some(q) = codes.iter().find(|&&q| usize::from(q) >> bits != 0) {
+            return Err(format!("code {q} has more than {bits} bits"));
+        }
+        let halves =
+            |values: &[f32]| -> Option<Vec<u16>> { values.iter().map(|&v| exact_f16(v)).collect() };
+        let params = match (halves(scales), halves(biases)) {
+            (Some(scales), Some(biases)) => Params::Half { scales, biases },
+            _ => Params::Single {
+                scales: scales.to_vec(),
+                biases: biases.to_vec(),
+            },
+        };
+        let nibbles = bits <= 4 && group.is_multiple_of(32);
+        let packed = if nibbles {
+            codes
+                .chunks_exact(32)
+                .flat_map(|run| {
+                    let (low, high) = run.split_at(16);
+                    low.iter().zip(high).map(|(l, h)| l | h << 4)
+                })
+                .collect()
+        } else {
+            codes.to_vec()
+        };
         Ok(Self {
-            codes,
+            codes: packed,
             nibbles,
-            scales,
-            biases,
+            params,
             n,
             k,
             group,
@@ -146,7 +245,11 @@ impl PackedMatrix {
 
     /// Bytes held (codes, scales and biases).
     pub fn bytes(&self) -> usize {
-        self.codes.len() + 2 * (self.scales.len() + self.biases.len())
+        let per_group = match self.params {
+            Params::Half { .. } => 4,
+            Params::Single { .. } => 8,
+        };
+        self.codes.len() + per_group * self.params.len()
     }
 
     /// Weight rows `start..start + len` as a matrix of their own (a fused projection's parts).
@@ -155,11 +258,21 @@ impl PackedMatrix {
             return None;
         }
         let (bytes, groups) = (self.row_bytes(), self.k / self.group);
+        let (from, to) = (start * groups, (start + len) * groups);
+        let params = match &self.params {
+            Params::Half { scales, biases } => Params::Half {
+                scales: scales[from..to].to_vec(),
+                biases: biases[from..to].to_vec(),
+            },
+            Params::Single { scales, biases } => Params::Single {
+                scales: scales[from..to].to_vec(),
+                biases: biases[from..to].to_vec(),
+            },
+        };
         Some(Self {
             codes: self.codes[start * bytes..(start + len) * bytes].to_vec(),
             nibbles: self.nibbles,
-            scales: self.scales[start * groups..(start + len) * groups].to_vec(),
-            biases: self.biases[start * groups..(start + len) * groups].to_vec(),
+            params,
             n: len,
             k: self.k,
             group: self.group,
@@ -172,11 +285,8 @@ impl PackedMatrix {
         let mut out = Vec::with_capacity(self.n * self.k);
         for j in 0..self.n {
             for t in 0..self.k {
-                let g = j * groups + t / self.group;
-                out.push(f32::from(self.code(j, t)).mul_add(
-                    half::f16::from_bits(self.scales[g]).to_f32(),
-                    half::f16::from_bits(self.biases[g]).to_f32(),
-                ));
+                let (scale, bias) = self.params.get(j * groups + t / self.group);
+                out.push(f32::from(self.code(j, t)).mul_add(scale, bias));
             }
         }
         out
@@ -184,33 +294,58 @@ impl PackedMatrix {
 
     /// `x · Wᵀ` for `x` of `[rows, k]`, row-major; returns `[rows, n]`.
     pub fn x_wt(&self, x: &[f32], rows: usize) -> Vec<f32> {
-        debug_assert_eq!(x.len(), rows * self.k);
-        let (bytes, groups) = (self.row_bytes(), self.k / self.group);
-        let mut by_col = vec![0f32; self.n * rows];
-        by_col
-            .par_chunks_mut(COLS_PER_TASK * rows)
-            .enumerate()
-            .for_each(|(task, out)| {
-                let j0 = task * COLS_PER_TASK;
-                let cols = out.len() / rows;
-                let part = Part {
-                    codes: &self.codes[j0 * bytes..(j0 + cols) * bytes],
-                    nibbles: self.nibbles,
-                    scales: &self.scales[j0 * groups..(j0 + cols) * groups],
-                    biases: &self.biases[j0 * groups..(j0 + cols) * groups],
-                    k: self.k,
-                    group: self.group,
-                };
-                columns(x, rows, &part, out);
-            });
-        let mut out = vec![0f32; rows * self.n];
-        for (j, col) in by_col.chunks_exact(rows).enumerate() {
-            for (r, &v) in col.iter().enumerate() {
-                out[r * self.n + j] = v;
-            }
-        }
-        out
+        x_wt_many(&[self], x, rows).pop().unwrap_or_default()
     }
+
+    /// The weight rows from `j0` on that `out` (`[cols, rows]`) has room for.
+    fn part(&self, j0: usize, cols: usize) -> Part<'_> {
+        let (bytes, groups) = (self.row_bytes(), self.k / self.group);
+        Part {
+            codes: &self.codes[j0 * bytes..(j0 + cols) * bytes],
+            nibbles: self.nibbles,
+            params: self.params.slice(j0 * groups, (j0 + cols) * groups),
+            k: self.k,
+            group: self.group,
+        }
+    }
+}
+
+/// `x · Wᵀ` for several matrices of the same `k` (a layer's q, k and v projections, or its
+/// gate and up ones) in one parallel pass: a decode step makes hundreds of these products, and
+/// waking the pool once per group instead of once per matrix is measurably cheaper on 2 cores.
+/// Returns one `[rows, n]` per matrix. Panics when a matrix's `k` is not `x`'s row length.
+pub fn x_wt_many(matrices: &[&PackedMatrix], x: &[f32], rows: usize) -> Vec<Vec<f32>> {
+    for m in matrices {
+        assert_eq!(x.len(), rows * m.k, "x is not [rows, k]");
+    }
+    // Computed column-major (`[n, rows]`) so that each task writes one contiguous piece.
+    let mut by_col: Vec<Vec<f32>> = matrices.iter().map(|m| vec![0f32; m.n * rows]).collect();
+    let mut tasks: Vec<(&PackedMatrix, usize, &mut [f32])> = Vec::new();
+    for (m, out) in matrices.iter().zip(by_col.iter_mut()) {
+        for (t, chunk) in out.chunks_mut(COLS_PER_TASK * rows).enumerate() {
+            tasks.push((m, t * COLS_PER_TASK, chunk));
+        }
+    }
+    tasks.into_par_iter().for_each(|(m, j0, out)| {
+        let part = m.part(j0, out.len() / rows);
+        columns(x, rows, &part, out);
+    });
+    if rows == 1 {
+        return by_col;
+    }
+    by_col
+        .iter()
+        .zip(matrices)
+        .map(|(cols, m)| {
+            let mut out = vec![0f32; rows * m.n];
+            for (j, col) in cols.chunks_exact(rows).enumerate() {
+                for (r, &v) in col.iter().enumerate() {
+                    out[r * m.n + j] = v;
+                }
+            }
+            out
+        })
+        .collect()
 }
 
 /// Code `t` of a row of codes laid out as `PackedMatrix` says.
@@ -227,8 +362,7 @@ fn code_in(row: &[u8], nibbles: bool, t: usize) -> u8 {
 struct Part<'a> {
     codes: &'a [u8],
     nibbles: bool,
-    scales: &'a [u16],
-    biases: &'a [u16],
+    params: ParamsRef<'a>,
     k: usize,
     group: usize,
 }
@@ -270,11 +404,8 @@ fn columns_scalar(x: &[f32], rows: usize, part: &Part<'_>, out: &mut [f32]) {
             let mut sum = 0f32;
             for (t, &xv) in xr.iter().enumerate() {
                 let q = code_in(row, part.nibbles, t);
-                let g = j * groups + t / part.group;
-                let w = f32::from(q).mul_add(
-                    half::f16::from_bits(part.scales[g]).to_f32(),
-                    half::f16::from_bits(part.biases[g]).to_f32(),
-                );
+                let (scale, bias) = part.params.get(j * groups + t / part.group);
+                let w = f32::from(q).mul_add(scale, bias);
                 sum = xv.mul_add(w, sum);
             }
             out[j * rows + r] = sum;
@@ -288,7 +419,7 @@ fn columns_scalar(x: &[f32], rows: usize, part: &Part<'_>, out: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 macro_rules! packed_kernel {
     ($module:ident, $feature:literal, $vector:ty, $lanes:expr, $zero:ident, $load:ident,
-     $half_set1:expr, $fma:ident, $bytes:expr, $nibbles:expr, $sum:expr) => {
+     $set1:ident, $half_set1:expr, $fma:ident, $bytes:expr, $nibbles:expr, $sum:expr) => {
         mod $module {
             use super::Part;
             use std::arch::x86_64::*;
@@ -297,17 +428,19 @@ macro_rules! packed_kernel {
 
             #[target_feature(enable = $feature)]
             pub unsafe fn columns(x: &[f32], rows: usize, part: &Part<'_>, out: &mut [f32]) {
-                if part.nibbles {
-                    // SAFETY: the caller's features.
-                    unsafe { columns_of::<true>(x, rows, part, out) }
-                } else {
-                    // SAFETY: as above.
-                    unsafe { columns_of::<false>(x, rows, part, out) }
+                // SAFETY (of each call): the caller's features.
+                unsafe {
+                    match (part.nibbles, part.params.half()) {
+                        (true, true) => columns_of::<true, true>(x, rows, part, out),
+                        (true, false) => columns_of::<true, false>(x, rows, part, out),
+                        (false, true) => columns_of::<false, true>(x, rows, part, out),
+                        (false, false) => columns_of::<false, false>(x, rows, part, out),
+                    }
                 }
             }
 
             #[target_feature(enable = $feature)]
-            unsafe fn columns_of<const NIB: bool>(
+            unsafe fn columns_of<const NIB: bool, const HALF: bool>(
                 x: &[f32],
                 rows: usize,
                 part: &Part<'_>,
@@ -324,14 +457,14 @@ macro_rules! packed_kernel {
                         // outputs exist.
                         unsafe {
                             match (t, c) {
-                                (4, 2) => tile::<4, 2, NIB>(x, r, part, j, rows, out),
-                                (4, _) => tile::<4, 1, NIB>(x, r, part, j, rows, out),
-                                (3, 2) => tile::<3, 2, NIB>(x, r, part, j, rows, out),
-                                (3, _) => tile::<3, 1, NIB>(x, r, part, j, rows, out),
-                                (2, 2) => tile::<2, 2, NIB>(x, r, part, j, rows, out),
-                                (2, _) => tile::<2, 1, NIB>(x, r, part, j, rows, out),
-                                (_, 2) => tile::<1, 2, NIB>(x, r, part, j, rows, out),
-                                _ => tile::<1, 1, NIB>(x, r, part, j, rows, out),
+                                (4, 2) => tile::<4, 2, NIB, HALF>(x, r, part, j, rows, out),
+                                (4, _) => tile::<4, 1, NIB, HALF>(x, r, part, j, rows, out),
+                                (3, 2) => tile::<3, 2, NIB, HALF>(x, r, part, j, rows, out),
+                                (3, _) => tile::<3, 1, NIB, HALF>(x, r, part, j, rows, out),
+                                (2, 2) => tile::<2, 2, NIB, HALF>(x, r, part, j, rows, out),
+                                (2, _) => tile::<2, 1, NIB, HALF>(x, r, part, j, rows, out),
+                                (_, 2) => tile::<1, 2, NIB, HALF>(x, r, part, j, rows, out),
+                                _ => tile::<1, 1, NIB, HALF>(x, r, part, j, rows, out),
                             }
                         }
                         r += t;
@@ -342,7 +475,7 @@ macro_rules! packed_kernel {
 
             #[inline]
             #[target_feature(enable = $feature)]
-            unsafe fn tile<const R: usize, const C: usize, const NIB: bool>(
+            unsafe fn tile<const R: usize, const C: usize, const NIB: bool, const HALF: bool>(
                 x: &[f32],
                 r0: usize,
                 part: &Part<'_>,
@@ -353,7 +486,9 @@ macro_rules! packed_kernel {
                 let (k, group, bytes) = (part.k, part.group, part.row_bytes());
                 let groups = k / group;
                 assert!((r0 + R) * k <= x.len() && (j0 + C) * bytes <= part.codes.len());
-                assert!((j0 + C) * groups <= part.scales.len().min(part.biases.len()));
+                let p = part.params;
+                assert!((j0 + C) * groups <= p.len());
+                assert!(p.s16.len() == p.b16.len() && p.s32.len() == p.b32.len());
                 assert!((j0 + C - 1) * rows + r0 + R <= out.len());
                 assert!(group.is_multiple_of(LANES) && k.is_multiple_of(group));
                 let (xp, cp) = (x.as_ptr(), part.codes.as_ptr());
@@ -363,8 +498,13 @@ macro_rules! packed_kernel {
                     let mut bias: [$vector; C] = [$zero(); C];
                     for c in 0..C {
                         let at = (j0 + c) * groups + g;
-                        scale[c] = $half_set1(part.scales[at]);
-                        bias[c] = $half_set1(part.biases[at]);
+                        if HALF {
+                            scale[c] = $half_set1(p.s16[at]);
+                            bias[c] = $half_set1(p.b16[at]);
+                        } else {
+                            scale[c] = $set1(p.s32[at]);
+                            bias[c] = $set1(p.b32[at]);
+                        }
                     }
                     let mut at = g * group;
                     let end = at + group;
@@ -431,6 +571,7 @@ packed_kernel!(
     8,
     _mm256_setzero_ps,
     _mm256_loadu_ps,
+    _mm256_set1_ps,
     // f16 bits broadcast and widened to f32 (F16C).
     |h: u16| _mm256_cvtph_ps(_mm_set1_epi16(h as i16)),
     _mm256_fmadd_ps,
@@ -460,6 +601,7 @@ packed_kernel!(
     16,
     _mm512_setzero_ps,
     _mm512_loadu_ps,
+    _mm512_set1_ps,
     // f16 bits broadcast and widened to f32.
     |h: u16| _mm512_cvtph_ps(_mm256_set1_epi16(h as i16)),
     _mm512_fmadd_ps,
@@ -573,18 +715,33 @@ mod tests {
     /// Every code path this CPU can run computes the same products as the scalar one.
     #[test]
     fn the_vector_paths_equal_the_scalar_one() {
-        for bits in [4, 8] {
-            let (m, _) = matrix(5, 128, bits, 32);
+        for (bits, group, f32_scales) in
+            [(4, 32, false), (8, 32, false), (4, 32, true), (6, 16, true)]
+        {
+            let (m, codes) = matrix(5, 128, bits, group);
+            let m = if f32_scales {
+                // Scales f16 cannot hold: the f32 path.
+                let (scale, bias) = m.params.get(0);
+                let groups = 5 * 128 / group;
+                let scales: Vec<f32> = (0..groups).map(|g| scale + g as f32 * 1e-7).collect();
+                let m = PackedMatrix::from_codes(
+                    &codes,
+                    bits,
+                    &scales,
+                    &vec![bias; groups],
+                    5,
+                    128,
+                    group,
+                )
+                .unwrap();
+                assert!(matches!(m.params, Params::Single { .. }));
+                m
+            } else {
+                m
+            };
             let rows = 6;
             let x = values(rows * 128, 7);
-            let part = Part {
-                codes: &m.codes,
-                nibbles: m.nibbles,
-                scales: &m.scales,
-                biases: &m.biases,
-                k: m.k,
-                group: m.group,
-            };
+            let part = m.part(0, m.n);
             let mut want = vec![0f32; m.n * rows];
             columns_scalar(&x, rows, &part, &mut want);
             let close = |got: &[f32], path: &str| {
@@ -618,6 +775,17 @@ mod tests {
     }
 
     #[test]
+    fn several_matrices_in_one_pass_compute_as_each_alone() {
+        let (a, _) = matrix(40, 64, 4, 32);
+        let (b, _) = matrix(7, 64, 8, 64);
+        for rows in [1, 3] {
+            let x = values(rows * 64, 11);
+            let both = x_wt_many(&[&a, &b], &x, rows);
+            assert_eq!(both, vec![a.x_wt(&x, rows), b.x_wt(&x, rows)]);
+        }
+    }
+
+    #[test]
     fn rows_cut_a_fused_matrix_into_parts_that_compute_alike() {
         let (m, _) = matrix(12, 64, 4, 32);
         let x = values(64, 9);
@@ -630,15 +798,20 @@ mod tests {
     }
 
     #[test]
-    fn scales_that_f16_cannot_hold_exactly_are_refused() {
-        let words = [0u32; 8];
-        assert!(PackedMatrix::from_mlx_words(&words, 8, &[0.1], &[0.0], 1, 32, 32).is_err());
-        assert!(PackedMatrix::from_mlx_words(&words, 8, &[0.125], &[1e-9], 1, 32, 32).is_err());
-        assert!(PackedMatrix::from_mlx_words(&words, 8, &[0.125], &[-2.5], 1, 32, 32).is_ok());
+    fn scales_that_f16_cannot_hold_exactly_stay_f32() {
+        let words = [0x0403_0201u32; 8];
+        let half = |s: f32, b: f32| {
+            let m = PackedMatrix::from_mlx_words(&words, 8, &[s], &[b], 1, 32, 32).unwrap();
+            (matches!(m.params, Params::Half { .. }), m.dequantize()[2])
+        };
+        assert_eq!(half(0.125, -2.5), (true, 3.0f32.mul_add(0.125, -2.5)));
+        assert_eq!(half(0.1, 0.0), (false, 3.0f32 * 0.1));
+        assert_eq!(half(0.125, 1e-9), (false, 3.0f32.mul_add(0.125, 1e-9)));
     }
 
     #[test]
     fn shapes_that_do_not_add_up_are_refused() {
+        assert!(PackedMatrix::from_codes(&[16; 32], 4, &[1.0], &[0.0], 1, 32, 32).is_err());
         assert!(PackedMatrix::from_mlx_words(&[0; 8], 8, &[0.0; 1], &[0.0; 1], 1, 32, 24).is_err());
         assert!(PackedMatrix::from_mlx_words(&[0; 7], 8, &[0.0; 1], &[0.0; 1], 1, 32, 32).is_err());
         assert!(PackedMatrix::from_mlx_words(&[0; 8], 7, &[0.0; 1], &[0.0; 1], 1, 32, 32).is_err());

@@ -163,18 +163,33 @@ impl GgufFile {
     }
 
     /// A tensor's values as f32, in `shape()` order.
-    pub fn read_f32(&self, tensor: &GgufTensor) -> Result<Vec<f32>, FileError> {
-        let err = |source| FileError {
-            path: self.path.display().to_string(),
-            source,
-        };
-        let file = std::fs::File::open(&self.path).map_err(|e| err(FormatError::Io(e)))?;
+    /// A tensor's bytes as stored (whole blocks of its type).
+    pub fn read_raw(&self, tensor: &GgufTensor) -> Result<Vec<u8>, FileError> {
+        let file = std::fs::File::open(&self.path).map_err(|e| self.error(FormatError::Io(e)))?;
         // Sizes were checked against the file's length at open.
         let mut data = vec![0u8; tensor.bytes as usize];
         file.read_exact_at(&mut data, tensor.offset)
-            .map_err(|e| err(FormatError::Io(e)))?;
+            .map_err(|e| self.error(FormatError::Io(e)))?;
+        Ok(data)
+    }
+
+    fn error(&self, source: FormatError) -> FileError {
+        FileError {
+            path: self.path.display().to_string(),
+            source,
+        }
+    }
+
+    pub fn read_f32(&self, tensor: &GgufTensor) -> Result<Vec<f32>, FileError> {
+        let data = self.read_raw(tensor)?;
+        self.expand(tensor, &data)
+    }
+
+    /// `data` (`tensor`'s bytes, from `read_raw`) expanded to f32.
+    pub fn expand(&self, tensor: &GgufTensor, data: &[u8]) -> Result<Vec<f32>, FileError> {
+        let err = |source| self.error(source);
         let mut out = vec![0f32; tensor.values() as usize];
-        if !crate::dequant::dequantize(tensor.ty, &data, &mut out) {
+        if !crate::dequant::dequantize(tensor.ty, data, &mut out) {
             return Err(err(FormatError::invalid(format!(
                 "tensor '{}' of type {} cannot be expanded to f32",
                 tensor.name,

@@ -9,6 +9,7 @@
 //! field. The checks read only the headers; tensor data is read only to expand the GGUF types
 //! MLX cannot load (`dequant`).
 
+mod codes;
 mod dequant;
 mod gguf;
 mod reader;
@@ -16,6 +17,7 @@ mod safetensors_file;
 
 use std::path::Path;
 
+pub use codes::{AffineCodes, affine_codes};
 pub use dequant::dequantize;
 pub use gguf::{
     GgmlType, GgufFile, GgufSummary, GgufTensor, MetaValue, check_gguf, check_gguf_reader,

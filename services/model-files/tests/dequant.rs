@@ -8,7 +8,7 @@
 
 use std::path::PathBuf;
 
-use strata_model_files::{GgmlType, dequantize};
+use strata_model_files::{GgmlType, affine_codes, dequantize};
 
 fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/quants")
@@ -62,6 +62,46 @@ fn every_type_matches_the_gguf_packages_dequantisers_bit_for_bit() {
         assert!(types_seen.contains(&type_named(ty)), "no fixture for {ty}");
     }
     assert!(real >= 5, "only {real} real-data fixtures");
+}
+
+/// The affine types as codes, a scale and a bias per group: `fma(code, scale, bias)` is the
+/// f32 expansion bit for bit (the CPU kernel computes the weights that way), on every fixture.
+#[test]
+fn affine_codes_compute_the_expansion_bit_for_bit() {
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixtures().join("manifest.json")).unwrap()).unwrap();
+    let mut checked = std::collections::HashSet::new();
+    for pair in manifest["pairs"].as_array().unwrap() {
+        let name = pair["name"].as_str().unwrap();
+        let ty = type_named(pair["type"].as_str().unwrap());
+        let blocks = std::fs::read(fixtures().join(format!("{name}.blocks"))).unwrap();
+        let Some(codes) = affine_codes(ty, &blocks) else {
+            assert!(
+                matches!(ty.name(), "F16" | "BF16" | "F32" | "IQ4_NL" | "IQ4_XS"),
+                "{name}: no codes"
+            );
+            continue;
+        };
+        let mut want = vec![0f32; codes.codes.len()];
+        assert!(dequantize(ty, &blocks, &mut want));
+        assert_eq!(codes.scales.len() * codes.group, want.len(), "{name}");
+        for (i, (&q, w)) in codes.codes.iter().zip(&want).enumerate() {
+            assert!(usize::from(q) < 1 << codes.bits, "{name}: code {q}");
+            let g = i / codes.group;
+            let got = f32::from(q).mul_add(codes.scales[g], codes.biases[g]);
+            assert!(
+                got.to_bits() == w.to_bits() || (got == 0.0 && *w == 0.0),
+                "{name}: value {i} is {got} from codes, {w} expanded"
+            );
+        }
+        checked.insert(ty.name());
+    }
+    for ty in [
+        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "Q8_0",
+    ] {
+        assert!(checked.contains(ty), "no codes checked for {ty}");
+    }
+    assert!(affine_codes(GgmlType::Q4K, &[0u8; 100]).is_none());
 }
 
 #[test]

@@ -8,7 +8,7 @@ use strata_worker::engine::gguf;
 use strata_worker::tokenizer::{StreamDecoder, Tokenizer};
 
 fn smollm2_tokenizer() -> Tokenizer {
-    let model = gguf::load(&common::smollm2_gguf()).expect("load the GGUF");
+    let model = gguf::load(&common::smollm2_gguf(), false).expect("load the GGUF");
     Tokenizer::from_gguf(&model.tokenizer).expect("build the tokenizer")
 }
 

@@ -8,7 +8,10 @@ use std::path::Path;
 use std::collections::HashMap;
 
 use mlx_rs::{Array, Dtype};
-use strata_model_files::{GgufFile, MetaValue};
+use std::sync::Arc;
+
+use strata_cpu_kernels::packed::PackedMatrix;
+use strata_model_files::{GgufFile, MetaValue, affine_codes};
 
 use super::config::{Architecture, ModelConfig, RopeScaling};
 use super::weights::{QuantSpec, TensorStore};
@@ -84,30 +87,54 @@ impl Meta<'_> {
     }
 }
 
+/// Matrices' codes by base name (`blk.0.attn_q`).
+type CodesByName = HashMap<String, Arc<PackedMatrix>>;
+
 /// The file's tensors by name. Where MLX's reader takes every type, it loads them (keeping
 /// Q4_0/Q4_1/Q8_0 in its packed affine layout); otherwise every tensor is expanded to f32
 /// here, which is what the CPU computes on anyway (on Metal/CUDA the f32 matrices are cast
-/// to the compute dtype, f16, at build).
-fn tensors(file: &GgufFile, path: &Path) -> Result<HashMap<String, Array>> {
+/// to the compute dtype, f16, at build). With `keep_codes` (a CPU), the matrices of affine
+/// block types (K-quants, Q5_0, ...) also keep their codes for the few-rows kernel.
+fn tensors(
+    file: &GgufFile,
+    path: &Path,
+    keep_codes: bool,
+) -> Result<(HashMap<String, Array>, CodesByName)> {
     if file.mlx_reads_all() {
         let (readable, _link) = gguf_named(path)?;
-        return mlx_rs::io::GgufFile::load(&readable)
+        let arrays = mlx_rs::io::GgufFile::load(&readable)
             .and_then(|f| f.arrays())
-            .map_err(|e| EngineError::Load(format!("{}: {e}", path.display())));
+            .map_err(|e| EngineError::Load(format!("{}: {e}", path.display())))?;
+        return Ok((arrays, HashMap::new()));
     }
+    let load = |e: strata_model_files::FileError| EngineError::Load(e.to_string());
     let mut arrays = HashMap::with_capacity(file.tensors.len());
+    let mut codes = HashMap::new();
     for t in &file.tensors {
-        let values = file
-            .read_f32(t)
-            .map_err(|e| EngineError::Load(e.to_string()))?;
-        arrays.insert(t.name.clone(), Array::from_slice(&values, &t.shape()));
+        let data = file.read_raw(t).map_err(load)?;
+        let values = file.expand(t, &data).map_err(load)?;
+        let shape = t.shape();
+        if keep_codes
+            && let (Some(base), &[n, k]) = (t.name.strip_suffix(".weight"), shape.as_slice())
+            && let Some(c) = affine_codes(t.ty, &data)
+        {
+            let (n, k) = (n as usize, k as usize);
+            match PackedMatrix::from_codes(&c.codes, c.bits, &c.scales, &c.biases, n, k, c.group) {
+                Ok(packed) => {
+                    codes.insert(base.to_string(), Arc::new(packed));
+                }
+                Err(reason) => tracing::debug!(tensor = %t.name, %reason, "no codes kept"),
+            }
+        }
+        arrays.insert(t.name.clone(), Array::from_slice(&values, &shape));
     }
     tracing::info!(
         path = %path.display(),
         types = %type_counts(file),
+        matrices_with_codes = codes.len(),
         "GGUF types MLX cannot read were expanded to f32 at load"
     );
-    Ok(arrays)
+    Ok((arrays, codes))
 }
 
 /// "Q4_K x 12, Q6_K x 3, ..." for the log.
@@ -145,7 +172,8 @@ fn gguf_named(path: &Path) -> Result<(std::path::PathBuf, Option<tempfile::TempD
     Ok((link, Some(dir)))
 }
 
-pub fn load(path: &Path) -> Result<GgufModel> {
+/// `keep_codes`: a CPU will compute in f32 (see `tensors`).
+pub fn load(path: &Path, keep_codes: bool) -> Result<GgufModel> {
     // Read and checked here first: MLX's GGUF reader trusts the file (a corrupt length field
     // crashes it) and cannot read K-quants.
     let file = GgufFile::open(path).map_err(|e| EngineError::Load(e.to_string()))?;
@@ -236,7 +264,7 @@ pub fn load(path: &Path) -> Result<GgufModel> {
         tokens,
     };
     let chat_template = meta.string("tokenizer.chat_template")?;
-    let arrays = tensors(&file, path)?;
+    let (arrays, codes) = tensors(&file, path, keep_codes)?;
     // Llama 3.1+ files carry their RoPE rescaling as per-pair period factors in a tensor
     // (llama.cpp's `rope_freqs`), not in metadata.
     if let Some(factors) = arrays.get("rope_freqs.weight") {
@@ -259,7 +287,7 @@ pub fn load(path: &Path) -> Result<GgufModel> {
     }
     Ok(GgufModel {
         config,
-        tensors: TensorStore::new(arrays, QuantSpec::affine(GGUF_GROUP_SIZE)),
+        tensors: TensorStore::new(arrays, QuantSpec::affine(GGUF_GROUP_SIZE)).with_codes(codes),
         tokenizer,
         chat_template,
     })

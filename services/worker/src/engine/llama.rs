@@ -420,9 +420,7 @@ impl Model {
                 <= strata_cpu_kernels::matmul::MAX_ROWS.max(super::weights::PACKED_MAX_ROWS);
         for (li, layer) in self.layers.iter().enumerate() {
             let normed = fast::rms_norm(&x, Some(&layer.attn_norm), c.rms_norm_eps)?;
-            let q = layer.q.forward_on(&normed, few)?;
-            let k = layer.k.forward_on(&normed, few)?;
-            let v = layer.v.forward_on(&normed, few)?;
+            let [q, k, v] = Linear::forward_group([&layer.q, &layer.k, &layer.v], &normed, few)?;
             // Each sequence's queries (RoPE applied) and everything its cache holds.
             let mut inputs = Vec::with_capacity(batch.len());
             for (seq, &(start, end)) in batch.iter_mut().zip(&ranges) {
@@ -541,8 +539,8 @@ impl Model {
     /// The residual stream after the layer's MLP.
     fn mlp(&self, layer: &Layer, x: &Array, few: bool) -> Result<Array> {
         let normed = fast::rms_norm(x, Some(&layer.mlp_norm), self.config.rms_norm_eps)?;
-        let gate = mlx_rs::nn::silu(layer.gate.forward_on(&normed, few)?)?;
-        let up = layer.up.forward_on(&normed, few)?;
+        let [gate, up] = Linear::forward_group([&layer.gate, &layer.up], &normed, few)?;
+        let gate = mlx_rs::nn::silu(gate)?;
         Ok(x.add(layer.down.forward_on(&gate.multiply(&up)?, few)?)?)
     }
 

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use mlx_rs::Array;
+use mlx_rs::{Array, Dtype};
 use serde::Deserialize;
 
 use super::config::HfConfig;
@@ -85,7 +85,10 @@ pub fn open(path: &Path, policy: DtypePolicy, block_tokens: usize) -> Result<Loa
             files,
         )
     } else if path.extension().is_some_and(|e| e == "gguf") || starts_with_gguf_magic(path) {
-        let g = gguf::load(path)?;
+        let g = gguf::load(
+            path,
+            policy.compute == Dtype::Float32 && !policy.quantized_weights,
+        )?;
         let tokenizer = Tokenizer::from_gguf(&g.tokenizer)?;
         let model = Model::load(g.config, &g.tensors, TensorNaming::Gguf, policy)?;
         (

@@ -171,11 +171,23 @@ impl QuantSpec {
 pub struct TensorStore {
     tensors: HashMap<String, Array>,
     pub quant: QuantSpec,
+    /// Codes of matrices the loader expanded to f32 itself (GGUF K-quants and kin), by base
+    /// name, for the few-rows kernel on a CPU.
+    codes: HashMap<String, Arc<PackedMatrix>>,
 }
 
 impl TensorStore {
     pub fn new(tensors: HashMap<String, Array>, quant: QuantSpec) -> Self {
-        Self { tensors, quant }
+        Self {
+            tensors,
+            quant,
+            codes: HashMap::new(),
+        }
+    }
+
+    pub fn with_codes(mut self, codes: HashMap<String, Arc<PackedMatrix>>) -> Self {
+        self.codes = codes;
+        self
     }
 
     pub fn get(&self, name: &str) -> Option<&Array> {
@@ -258,7 +270,16 @@ impl TensorStore {
         let weight_name = format!("{base}.weight");
         let weight = self.require(&weight_name)?;
         let Some(scales) = self.get(&format!("{base}.scales")) else {
-            return Ok(Matrix::Dense(weight.as_dtype(policy.compute)?));
+            let dense = weight.as_dtype(policy.compute)?;
+            return Ok(match self.codes.get(base) {
+                Some(packed) if policy.compute == Dtype::Float32 && codes_enabled() => {
+                    Matrix::WithCodes {
+                        dense,
+                        packed: packed.clone(),
+                    }
+                }
+                _ => Matrix::Dense(dense),
+            });
         };
         let params = self.quant.of(base);
         let bad = |reason: String| EngineError::BadTensor {
@@ -585,6 +606,53 @@ impl Linear {
         self.forward_on(x, false)
     }
 
+    /// `forward_on` for several layers that read the same `x` (q, k and v; gate and up): by
+    /// one pass of the packed kernel when every one has codes and it applies, else one by one.
+    pub fn forward_group<const N: usize>(
+        layers: [&Linear; N],
+        x: &Array,
+        few_rows_kernel: bool,
+    ) -> Result<[Array; N]> {
+        let packed: Vec<&PackedMatrix> = layers
+            .iter()
+            .filter_map(|l| match &l.matrix {
+                Matrix::WithCodes { packed, .. } => Some(&**packed),
+                _ => None,
+            })
+            .collect();
+        let xs = x.shape();
+        let grouped = few_rows_kernel
+            && packed.len() == N
+            && xs.len() == 2
+            && xs[0] as usize <= PACKED_MAX_ROWS
+            && packed.iter().all(|m| m.k() == xs[1] as usize)
+            && x.dtype() == Dtype::Float32;
+        if grouped {
+            x.eval()?;
+            if let Ok(xv) = x.try_as_slice::<f32>() {
+                let outs = strata_cpu_kernels::packed::x_wt_many(&packed, xv, xs[0] as usize);
+                let mut arrays = Vec::with_capacity(N);
+                for ((out, m), layer) in outs.iter().zip(&packed).zip(layers) {
+                    let y = Array::from_slice(out, &[xs[0], m.n() as i32]);
+                    arrays.push(match &layer.bias {
+                        Some(b) => y.add(b)?,
+                        None => y,
+                    });
+                }
+                if let Ok(arrays) = arrays.try_into() {
+                    return Ok(arrays);
+                }
+            }
+        }
+        let mut arrays = Vec::with_capacity(N);
+        for layer in layers {
+            arrays.push(layer.forward_on(x, few_rows_kernel)?);
+        }
+        arrays
+            .try_into()
+            .map_err(|_| EngineError::Mlx("a layer group lost an output".into()))
+    }
+
     /// `forward`, by the few-rows CPU kernel where it applies when `few_rows_kernel`.
     pub fn forward_on(&self, x: &Array, few_rows_kernel: bool) -> Result<Array> {
         let few = if few_rows_kernel {
@@ -663,7 +731,7 @@ mod tests {
                 .unwrap();
             assert!(parts.iter().all(|p| p.matrix.code_bytes() > 0));
         }
-        // Scales that f16 cannot hold exactly (an f32 model quantised in MLX): no codes.
+        // Scales that f16 cannot hold exactly (an f32 model quantised in MLX) stay f32.
         let w32 = Array::from_slice(&values, &[n as i32, k as i32]);
         let (wq, scales, biases) = mlx_rs::ops::quantize(&w32, 32, 4).unwrap();
         let store = TensorStore::new(
@@ -675,7 +743,15 @@ mod tests {
             QuantSpec::affine(32),
         );
         let matrix = store.matrix("m", DtypePolicy::F32).unwrap();
-        assert!(matches!(matrix, Matrix::Dense(_)));
+        let Matrix::WithCodes { dense, .. } = &matrix else {
+            panic!("f32 scales: no codes kept");
+        };
+        let x = Array::from_slice(&vec![0.25f32; 3 * k], &[3, k as i32]);
+        let ours = matrix.apply_few_rows(&x).unwrap().unwrap();
+        let mlx = x.matmul(dense.t()).unwrap();
+        for (a, b) in ours.as_slice::<f32>().iter().zip(mlx.as_slice::<f32>()) {
+            assert!((a - b).abs() <= 1e-5 * b.abs().max(1.0), "{a} vs {b}");
+        }
         // Past the row limit the expansion serves (MLX's product).
         let (wq, scales, biases) = mlx_rs::ops::quantize(&w, 32, 4).unwrap();
         let store = TensorStore::new(
