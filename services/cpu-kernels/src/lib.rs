@@ -5,6 +5,7 @@
 //! builds too (see the workspace profile): the worker's tests run real inference through it.
 
 pub mod attention;
+pub mod blas;
 pub mod matmul;
 pub mod packed;
 pub mod softmax;

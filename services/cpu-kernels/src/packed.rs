@@ -292,6 +292,84 @@ impl PackedMatrix {
         out
     }
 
+    /// Weight rows `j0..j0 + out.len() / k`, dequantised into `out` (row-major), as the kernel
+    /// computes each weight.
+    pub fn dequantize_rows_into(&self, j0: usize, out: &mut [f32]) {
+        assert!(out.len().is_multiple_of(self.k), "out is not whole rows");
+        let rows = out.len() / self.k;
+        assert!(j0 + rows <= self.n, "rows past the matrix");
+        let (bytes, groups) = (self.row_bytes(), self.k / self.group);
+        let part = Part {
+            codes: &self.codes[j0 * bytes..(j0 + rows) * bytes],
+            nibbles: self.nibbles,
+            params: self.params.slice(j0 * groups, (j0 + rows) * groups),
+            k: self.k,
+            group: self.group,
+        };
+        dequantize_part(&part, out);
+    }
+
+    /// Rows `ids` of the matrix in f32 (`[ids.len(), k]`): an embedding lookup.
+    pub fn gather_rows(&self, ids: &[usize]) -> Option<Vec<f32>> {
+        if ids.iter().any(|&j| j >= self.n) {
+            return None;
+        }
+        let mut out = vec![0f32; ids.len() * self.k];
+        for (&j, row) in ids.iter().zip(out.chunks_exact_mut(self.k)) {
+            self.dequantize_rows_into(j, row);
+        }
+        Some(out)
+    }
+
+    /// `x · Wᵀ` for `x` of `[rows, k]` of any length, by `sgemm` on panels of weight rows
+    /// dequantised one at a time into a buffer that stays in the cache: the products of a
+    /// prefill chunk at the speed of the BLAS, without keeping the f32 expansion. Dequantising
+    /// costs one pass over the codes per call, small beside the product's `2 · rows · n · k`
+    /// operations once `rows` is past the few-rows kernel's range. Returns `[rows, n]`.
+    pub fn x_wt_long(&self, x: &[f32], rows: usize, sgemm: crate::blas::Sgemm) -> Vec<f32> {
+        assert_eq!(x.len(), rows * self.k, "x is not [rows, k]");
+        let mut out = vec![0f32; rows * self.n];
+        if rows == 0 || self.n == 0 {
+            return out;
+        }
+        // About 2 MB of f32 per panel: in the cache, and large enough that each `sgemm`
+        // call has a few hundred columns to share out over its threads.
+        let panel_rows = (PANEL_FLOATS / self.k).clamp(COLS_PER_TASK, self.n.max(COLS_PER_TASK));
+        let mut panel = vec![0f32; panel_rows.min(self.n) * self.k];
+        let mut j0 = 0;
+        while j0 < self.n {
+            let len = panel_rows.min(self.n - j0);
+            let buffer = &mut panel[..len * self.k];
+            buffer
+                .par_chunks_mut(COLS_PER_TASK * self.k)
+                .enumerate()
+                .for_each(|(t, piece)| self.dequantize_rows_into(j0 + t * COLS_PER_TASK, piece));
+            // SAFETY: `x` is `[rows, k]`, the panel `[len, k]` and `out` `[rows, n]` with
+            // columns `j0..j0 + len` inside it, all row-major, as the strides passed say; the
+            // sizes fit i32 (a weight matrix and a chunk).
+            unsafe {
+                sgemm(
+                    crate::blas::ROW_MAJOR,
+                    crate::blas::NO_TRANS,
+                    crate::blas::TRANS,
+                    rows as i32,
+                    len as i32,
+                    self.k as i32,
+                    1.0,
+                    x.as_ptr(),
+                    self.k as i32,
+                    buffer.as_ptr(),
+                    self.k as i32,
+                    0.0,
+                    out.as_mut_ptr().add(j0),
+                    self.n as i32,
+                )
+            };
+            j0 += len;
+        }
+        out
+    }
+
     /// `x · Wᵀ` for `x` of `[rows, k]`, row-major; returns `[rows, n]`.
     pub fn x_wt(&self, x: &[f32], rows: usize) -> Vec<f32> {
         x_wt_many(&[self], x, rows).pop().unwrap_or_default()
@@ -346,6 +424,64 @@ pub fn x_wt_many(matrices: &[&PackedMatrix], x: &[f32], rows: usize) -> Vec<Vec<
             out
         })
         .collect()
+}
+
+/// f32 values per dequantised panel of `x_wt_long`.
+const PANEL_FLOATS: usize = 512 * 1024;
+
+/// The weights of `part` in f32 into `out` (`[rows, k]`), vectorised where the CPU allows.
+fn dequantize_part(part: &Part<'_>, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("f16c")
+            && std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+        {
+            // SAFETY: the CPU has AVX2, FMA and F16C (checked above).
+            unsafe { dequantize_part_fma(part, out) };
+            return;
+        }
+    }
+    dequantize_part_any(part, out);
+}
+
+/// `dequantize_part_any` compiled for AVX2 and FMA, so that its loops vectorise and
+/// `mul_add` is one instruction rather than a call.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dequantize_part_fma(part: &Part<'_>, out: &mut [f32]) {
+    dequantize_part_any(part, out);
+}
+
+#[inline(always)]
+fn dequantize_part_any(part: &Part<'_>, out: &mut [f32]) {
+    let (k, group, bytes) = (part.k, part.group, part.row_bytes());
+    let groups = k / group;
+    for (j, (row, dst)) in part
+        .codes
+        .chunks_exact(bytes)
+        .zip(out.chunks_exact_mut(k))
+        .enumerate()
+    {
+        for (g, dst) in dst.chunks_exact_mut(group).enumerate() {
+            let (scale, bias) = part.params.get(j * groups + g);
+            if part.nibbles {
+                let codes = &row[g * group / 2..(g + 1) * group / 2];
+                for (run, dst) in codes.chunks_exact(16).zip(dst.chunks_exact_mut(32)) {
+                    let (low, high) = dst.split_at_mut(16);
+                    for ((l, h), &q) in low.iter_mut().zip(high).zip(run) {
+                        *l = f32::from(q & 15).mul_add(scale, bias);
+                        *h = f32::from(q >> 4).mul_add(scale, bias);
+                    }
+                }
+            } else {
+                let codes = &row[g * group..(g + 1) * group];
+                for (d, &q) in dst.iter_mut().zip(codes) {
+                    *d = f32::from(q).mul_add(scale, bias);
+                }
+            }
+        }
+    }
 }
 
 /// Code `t` of a row of codes laid out as `PackedMatrix` says.
@@ -706,6 +842,91 @@ mod tests {
                     assert!(
                         (g as f64 - want).abs() <= 1e-5 * (k as f64).sqrt() * 14.0,
                         "{rows}x{n}x{k} {bits} bits: {g} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// A row-major `C = A · Bᵀ` in plain Rust with CBLAS's signature: the BLAS that the
+    /// worker finds in its process, stood in for in this crate's tests.
+    unsafe extern "C" fn reference_sgemm(
+        layout: i32,
+        trans_a: i32,
+        trans_b: i32,
+        m: i32,
+        n: i32,
+        k: i32,
+        alpha: f32,
+        a: *const f32,
+        lda: i32,
+        b: *const f32,
+        ldb: i32,
+        beta: f32,
+        c: *mut f32,
+        ldc: i32,
+    ) {
+        use crate::blas::{NO_TRANS, ROW_MAJOR, TRANS};
+        assert_eq!((layout, trans_a, trans_b), (ROW_MAJOR, NO_TRANS, TRANS));
+        assert_eq!(beta, 0.0);
+        for i in 0..m as usize {
+            for j in 0..n as usize {
+                let mut sum = 0f64;
+                for t in 0..k as usize {
+                    // SAFETY: the caller passes matrices of the sizes and strides given.
+                    unsafe {
+                        sum += *a.add(i * lda as usize + t) as f64
+                            * *b.add(j * ldb as usize + t) as f64;
+                    }
+                }
+                // SAFETY: as above.
+                unsafe { *c.add(i * ldc as usize + j) = alpha * sum as f32 };
+            }
+        }
+    }
+
+    #[test]
+    fn rows_dequantise_as_the_whole_matrix_does() {
+        for (n, k, bits, group) in [
+            (37, 64, 4, 32),
+            (5, 96, 6, 16),
+            (9, 256, 8, 128),
+            (6, 64, 3, 32),
+        ] {
+            let (m, _) = matrix(n, k, bits, group);
+            let whole = m.dequantize();
+            let mut rows = vec![0f32; 3 * k];
+            m.dequantize_rows_into(2, &mut rows);
+            assert_eq!(rows, whole[2 * k..5 * k], "{bits} bits, groups of {group}");
+            let gathered = m.gather_rows(&[4, 0, 4]).unwrap();
+            assert_eq!(gathered[..k], whole[4 * k..5 * k]);
+            assert_eq!(gathered[k..2 * k], whole[..k]);
+            assert!(m.gather_rows(&[n]).is_none(), "a row past the matrix");
+        }
+    }
+
+    /// Panels cover every weight row once, in place, whatever their size against the matrix's.
+    #[test]
+    fn long_products_by_panels_equal_the_product_of_the_dequantised_weights() {
+        // k = 4096 makes panels of 128 rows: 300 rows take three, the last one short.
+        for (rows, n, k, bits, group) in [
+            (17, 300, 4096, 4, 32),
+            (40, 70, 96, 8, 32),
+            (1, 3, 64, 6, 16),
+        ] {
+            let (m, _) = matrix(n, k, bits, group);
+            let w = m.dequantize();
+            let x = values(rows * k, 9);
+            let got = m.x_wt_long(&x, rows, reference_sgemm);
+            assert_eq!(got.len(), rows * n);
+            for r in 0..rows {
+                for j in 0..n {
+                    let want: f64 = (0..k)
+                        .map(|t| x[r * k + t] as f64 * w[j * k + t] as f64)
+                        .sum();
+                    assert!(
+                        (got[r * n + j] as f64 - want).abs() <= 1e-6 * want.abs().max(1.0),
+                        "{rows}x{n}x{k}: row {r} column {j}"
                     );
                 }
             }

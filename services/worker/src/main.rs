@@ -192,13 +192,20 @@ impl ModelArgs {
         let started = std::time::Instant::now();
         let mut model = loader::open(&self.model, policy, self.block_tokens)
             .with_context(|| format!("loading {}", self.model.display()))?;
+        let code_bytes = model.model.weight_code_bytes();
         tracing::info!(
             model = %self.model.display(),
             policy = %policy,
             seconds = started.elapsed().as_secs_f32(),
-            weight_codes_mb = model.model.weight_code_bytes() / (1 << 20),
+            weight_codes_mb = code_bytes / (1 << 20),
             "model loaded"
         );
+        if code_bytes > 0 && !strata_worker::engine::weights::codes_replace_expansion() {
+            tracing::warn!(
+                "no BLAS sgemm found in the process: matrices with codes also keep their f32 \
+                 expansion for long products (about 4 bytes per weight more)"
+            );
+        }
         if let Some(path) = &self.draft.draft_model {
             let draft = Draft::open(path, policy, self.draft.draft_tokens, &model)
                 .with_context(|| format!("loading the draft model {}", path.display()))?;

@@ -110,9 +110,10 @@ fn tensors(
     let load = |e: strata_model_files::FileError| EngineError::Load(e.to_string());
     let mut arrays = HashMap::with_capacity(file.tensors.len());
     let mut codes = HashMap::new();
+    // Matrices with codes are not expanded at all where the codes serve every product.
+    let codes_alone = keep_codes && super::weights::codes_replace_expansion();
     for t in &file.tensors {
         let data = file.read_raw(t).map_err(load)?;
-        let values = file.expand(t, &data).map_err(load)?;
         let shape = t.shape();
         if keep_codes
             && let (Some(base), &[n, k]) = (t.name.strip_suffix(".weight"), shape.as_slice())
@@ -122,17 +123,22 @@ fn tensors(
             match PackedMatrix::from_codes(&c.codes, c.bits, &c.scales, &c.biases, n, k, c.group) {
                 Ok(packed) => {
                     codes.insert(base.to_string(), Arc::new(packed));
+                    if codes_alone {
+                        continue;
+                    }
                 }
                 Err(reason) => tracing::debug!(tensor = %t.name, %reason, "no codes kept"),
             }
         }
+        let values = file.expand(t, &data).map_err(load)?;
         arrays.insert(t.name.clone(), Array::from_slice(&values, &shape));
     }
     tracing::info!(
         path = %path.display(),
         types = %type_counts(file),
         matrices_with_codes = codes.len(),
-        "GGUF types MLX cannot read were expanded to f32 at load"
+        f32_expansion_kept = !codes_alone,
+        "GGUF types MLX cannot read were expanded to f32 at load (or kept as codes)"
     );
     Ok((arrays, codes))
 }

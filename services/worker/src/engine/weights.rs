@@ -199,8 +199,12 @@ impl TensorStore {
             .ok_or_else(|| EngineError::MissingTensor(name.to_string()))
     }
 
+    /// Whether the tensor is held, as an array or (a matrix's `.weight`) only as codes.
     pub fn contains(&self, name: &str) -> bool {
         self.tensors.contains_key(name)
+            || name
+                .strip_suffix(".weight")
+                .is_some_and(|base| self.codes.contains_key(base))
     }
 
     pub fn names(&self) -> impl Iterator<Item = &String> {
@@ -239,17 +243,22 @@ impl TensorStore {
         for &n in sizes {
             let range = at..at + n as i32;
             let cut = |a: &Array| -> Result<Array> { Ok(a.try_index(range.clone())?) };
+            let cut_codes = |packed: &PackedMatrix| -> Result<Arc<PackedMatrix>> {
+                let part = packed
+                    .rows(at as usize, n)
+                    .ok_or_else(|| EngineError::BadTensor {
+                        name: format!("{base}.weight"),
+                        reason: format!("rows {at}..{} past its codes", at as usize + n),
+                    })?;
+                Ok(Arc::new(part))
+            };
             let matrix = match &fused.matrix {
                 Matrix::Dense(w) => Matrix::Dense(cut(w)?),
                 Matrix::WithCodes { dense, packed } => Matrix::WithCodes {
                     dense: cut(dense)?,
-                    packed: Arc::new(packed.rows(at as usize, n).ok_or_else(|| {
-                        EngineError::BadTensor {
-                            name: format!("{base}.weight"),
-                            reason: format!("rows {at}..{} past its codes", at as usize + n),
-                        }
-                    })?),
+                    packed: cut_codes(packed)?,
                 },
+                Matrix::Codes(packed) => Matrix::Codes(cut_codes(packed)?),
                 Matrix::Quantized(q) => Matrix::Quantized(QuantizedMatrix {
                     weight: cut(&q.weight)?,
                     scales: cut(&q.scales)?,
@@ -268,6 +277,11 @@ impl TensorStore {
     /// `<base>.weight` as a dense or quantised [out, in] matrix, per the policy.
     pub fn matrix(&self, base: &str, policy: DtypePolicy) -> Result<Matrix> {
         let weight_name = format!("{base}.weight");
+        let codes_alone =
+            policy.compute == Dtype::Float32 && codes_enabled() && codes_replace_expansion();
+        if codes_alone && let Some(packed) = self.codes.get(base) {
+            return Ok(Matrix::Codes(packed.clone()));
+        }
         let weight = self.require(&weight_name)?;
         let Some(scales) = self.get(&format!("{base}.scales")) else {
             let dense = weight.as_dtype(policy.compute)?;
@@ -328,6 +342,12 @@ impl TensorStore {
         if policy.quantized_weights {
             return Ok(Matrix::Quantized(q));
         }
+        if codes_alone {
+            match packed_codes(&q, out as usize, in_features as usize) {
+                Ok(packed) => return Ok(Matrix::Codes(Arc::new(packed))),
+                Err(reason) => tracing::debug!(matrix = %weight_name, %reason, "kept as f32 only"),
+            }
+        }
         let dense = q.dequantize()?.as_dtype(policy.compute)?;
         if policy.compute != Dtype::Float32 || !codes_enabled() {
             return Ok(Matrix::Dense(dense));
@@ -351,6 +371,14 @@ impl TensorStore {
     pub fn vector(&self, name: &str, policy: DtypePolicy) -> Result<Array> {
         Ok(self.require(name)?.as_dtype(policy.compute)?)
     }
+}
+
+/// Whether matrices with codes drop their f32 expansion (a CPU computing in f32): when the
+/// process holds a BLAS `sgemm` for long products on panels dequantised as they go
+/// (`strata_cpu_kernels::blas`). Without one they keep the expansion for MLX's products,
+/// and the loader says so.
+pub fn codes_replace_expansion() -> bool {
+    strata_cpu_kernels::blas::sgemm().is_some()
 }
 
 /// Whether quantised weights also keep their codes on a CPU (`STRATA_WEIGHT_CODES=0` turns it
@@ -471,6 +499,10 @@ pub enum Matrix {
         dense: Array,
         packed: Arc<PackedMatrix>,
     },
+    /// f32 (a CPU) from a quantised file, kept only as the file's codes: a few rows by the
+    /// packed kernel, longer products by the BLAS on panels dequantised as they go
+    /// (`PackedMatrix::x_wt_long`), so the f32 weights are never held whole.
+    Codes(Arc<PackedMatrix>),
 }
 
 /// Rows up to which products against a matrix's codes use the packed kernel: measured beside
@@ -481,6 +513,7 @@ impl Matrix {
     pub fn eval(&self) -> Result<()> {
         match self {
             Matrix::Dense(w) | Matrix::WithCodes { dense: w, .. } => w.eval()?,
+            Matrix::Codes(_) => {}
             Matrix::Quantized(q) => {
                 q.weight.eval()?;
                 q.scales.eval()?;
@@ -494,6 +527,7 @@ impl Matrix {
     pub fn apply(&self, x: &Array) -> Result<Array> {
         Ok(match self {
             Matrix::Dense(w) | Matrix::WithCodes { dense: w, .. } => x.matmul(w.t())?,
+            Matrix::Codes(packed) => codes_product(packed, x)?,
             Matrix::Quantized(q) => quantized_matmul(
                 x,
                 &q.weight,
@@ -512,7 +546,9 @@ impl Matrix {
     pub fn apply_few_rows(&self, x: &Array) -> Result<Option<Array>> {
         let w = match self {
             Matrix::Dense(w) => w,
-            Matrix::WithCodes { packed, .. } => return apply_codes(packed, x),
+            Matrix::WithCodes { packed, .. } | Matrix::Codes(packed) => {
+                return apply_codes(packed, x);
+            }
             Matrix::Quantized(_) => return Ok(None),
         };
         let (xs, ws) = (x.shape(), w.shape());
@@ -538,7 +574,7 @@ impl Matrix {
     /// Bytes of codes kept beside the expansion (`WithCodes`), else 0.
     pub fn code_bytes(&self) -> usize {
         match self {
-            Matrix::WithCodes { packed, .. } => packed.bytes(),
+            Matrix::WithCodes { packed, .. } | Matrix::Codes(packed) => packed.bytes(),
             _ => 0,
         }
     }
@@ -547,6 +583,7 @@ impl Matrix {
     pub fn out_features(&self) -> i32 {
         match self {
             Matrix::Dense(w) | Matrix::WithCodes { dense: w, .. } => w.shape()[0],
+            Matrix::Codes(packed) => packed.n() as i32,
             Matrix::Quantized(q) => q.weight.shape()[0],
         }
     }
@@ -555,6 +592,7 @@ impl Matrix {
     pub fn rows(&self, ids: &Array, dtype: Dtype) -> Result<Array> {
         Ok(match self {
             Matrix::Dense(w) | Matrix::WithCodes { dense: w, .. } => w.take_axis(ids, 0)?,
+            Matrix::Codes(packed) => codes_rows(packed, ids)?.as_dtype(dtype)?,
             Matrix::Quantized(q) => dequantize(
                 q.weight.take_axis(ids, 0)?,
                 q.scales.take_axis(ids, 0)?,
@@ -565,6 +603,70 @@ impl Matrix {
             .as_dtype(dtype)?,
         })
     }
+}
+
+/// `x @ W.T` for `x` of `[.., k]` against a matrix kept only as codes: the packed kernel for a
+/// few rows, panels through the BLAS for more. Computed now (`x` is evaluated here).
+fn codes_product(packed: &PackedMatrix, x: &Array) -> Result<Array> {
+    let shape = x.shape().to_vec();
+    let (k, n) = (packed.k() as i32, packed.n() as i32);
+    let Some((&last, lead)) = shape.split_last() else {
+        return Err(EngineError::Mlx(
+            "a product of a scalar against a matrix".into(),
+        ));
+    };
+    if last != k {
+        return Err(EngineError::Mlx(format!(
+            "a product of {shape:?} against a [{n}, {k}] matrix"
+        )));
+    }
+    let rows: i32 = lead.iter().product();
+    let x2 = x.as_dtype(Dtype::Float32)?.reshape(&[rows, k])?;
+    x2.eval()?;
+    let x2 = if x2.try_as_slice::<f32>().is_ok() {
+        x2
+    } else {
+        let c = x2.contiguous()?;
+        c.eval()?;
+        c
+    };
+    let xv = x2
+        .try_as_slice::<f32>()
+        .map_err(|e| EngineError::Mlx(format!("the input of a product: {e}")))?;
+    let rows = rows as usize;
+    let out = if rows <= PACKED_MAX_ROWS {
+        packed.x_wt(xv, rows)
+    } else {
+        let sgemm = strata_cpu_kernels::blas::sgemm()
+            .ok_or_else(|| EngineError::Mlx("no BLAS sgemm in the process".into()))?;
+        packed.x_wt_long(xv, rows, sgemm)
+    };
+    let mut out_shape = lead.to_vec();
+    out_shape.push(n);
+    Ok(Array::from_slice(&out, &out_shape))
+}
+
+/// Rows `ids` of a matrix kept only as codes (an embedding lookup), f32, `[ids.., k]`.
+fn codes_rows(packed: &PackedMatrix, ids: &Array) -> Result<Array> {
+    let flat = ids.as_dtype(Dtype::Int32)?.flatten(None, None)?;
+    flat.eval()?;
+    let values = flat
+        .try_as_slice::<i32>()
+        .map_err(|e| EngineError::Mlx(format!("token ids: {e}")))?;
+    // A negative id becomes a row past the matrix, refused below.
+    let rows: Vec<usize> = values
+        .iter()
+        .map(|&i| usize::try_from(i).unwrap_or(usize::MAX))
+        .collect();
+    let out = packed.gather_rows(&rows).ok_or_else(|| {
+        EngineError::Mlx(format!(
+            "a token id past the {} rows of the embedding",
+            packed.n()
+        ))
+    })?;
+    let mut shape = ids.shape().to_vec();
+    shape.push(packed.k() as i32);
+    Ok(Array::from_slice(&out, &shape))
 }
 
 /// `x @ W.T` by the packed kernel: an evaluated f32 `x` of `[rows, k]`, at most
@@ -616,7 +718,7 @@ impl Linear {
         let packed: Vec<&PackedMatrix> = layers
             .iter()
             .filter_map(|l| match &l.matrix {
-                Matrix::WithCodes { packed, .. } => Some(&**packed),
+                Matrix::WithCodes { packed, .. } | Matrix::Codes(packed) => Some(&**packed),
                 _ => None,
             })
             .collect();
@@ -675,11 +777,58 @@ impl Linear {
 mod tests {
     use super::*;
 
-    /// The codes kept on a CPU are MLX's own quantisation of the matrix, at every width MLX
-    /// packs: the packed kernel's product equals MLX's on the expansion within f32 rounding,
-    /// for decode-sized and chunk-sized `x`, and a fused matrix's parts keep their codes.
+    /// `x @ W.T` as MLX computes it on the expansion, with the matrix's rows `ids` beside.
+    fn expanded(store: &TensorStore, group: i32, bits: i32) -> Array {
+        let q = QuantizedMatrix {
+            weight: store.require("m.weight").unwrap().clone(),
+            scales: store
+                .require("m.scales")
+                .unwrap()
+                .as_dtype(Dtype::Float32)
+                .unwrap(),
+            biases: store
+                .require("m.biases")
+                .unwrap()
+                .as_dtype(Dtype::Float32)
+                .unwrap(),
+            group_size: group,
+            bits,
+        };
+        q.dequantize().unwrap()
+    }
+
+    fn quantised_store(w: &Array, group: i32, bits: i32) -> TensorStore {
+        let (wq, scales, biases) = mlx_rs::ops::quantize(w, group, bits).unwrap();
+        TensorStore::new(
+            HashMap::from([
+                ("m.weight".to_string(), wq),
+                ("m.scales".to_string(), scales),
+                ("m.biases".to_string(), biases),
+            ]),
+            QuantSpec::affine(group),
+        )
+    }
+
+    /// Checks `ours` against `mlx` within f32 rounding of sums in another order: far below
+    /// 1e-5 of the largest output for sums of 256 products.
+    fn assert_close(ours: &Array, mlx: &Array, what: &str) {
+        assert_eq!(ours.shape(), mlx.shape(), "{what}");
+        let (ours, mlx) = (ours.as_slice::<f32>(), mlx.as_slice::<f32>());
+        let largest = mlx.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for (a, b) in ours.iter().zip(mlx) {
+            assert!(
+                (a - b).abs() <= 1e-5 * largest.max(1e-3),
+                "{what}: {a} vs {b}"
+            );
+        }
+    }
+
+    /// On a CPU a quantised matrix is kept only as its codes (the process holds a BLAS), which
+    /// are MLX's own quantisation at every width MLX packs: products of every length (the
+    /// packed kernel up to `PACKED_MAX_ROWS` rows, BLAS panels past it), embedding rows and a
+    /// fused matrix's parts equal MLX's on the expansion within f32 rounding.
     #[test]
-    fn a_quantised_matrix_keeps_codes_that_compute_as_its_expansion_on_a_cpu() {
+    fn a_quantised_matrix_is_kept_as_codes_that_compute_as_its_expansion_on_a_cpu() {
         let (n, k) = (48, 256);
         let values: Vec<f32> = (0..n * k)
             .map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * 0.2)
@@ -688,6 +837,10 @@ mod tests {
         let w = Array::from_slice(&values, &[n as i32, k as i32])
             .as_dtype(Dtype::Float16)
             .unwrap();
+        assert!(
+            codes_replace_expansion(),
+            "the test process holds MLX's BLAS"
+        );
         for (bits, group) in [
             (4, 32),
             (8, 32),
@@ -697,72 +850,82 @@ mod tests {
             (2, 32),
             (5, 32),
         ] {
-            let (wq, scales, biases) = mlx_rs::ops::quantize(&w, group, bits).unwrap();
-            let tensors = HashMap::from([
-                ("m.weight".to_string(), wq),
-                ("m.scales".to_string(), scales),
-                ("m.biases".to_string(), biases),
-            ]);
-            let store = TensorStore::new(tensors, QuantSpec::affine(group));
+            let store = quantised_store(&w, group, bits);
+            let dense = expanded(&store, group, bits);
             let matrix = store.matrix("m", DtypePolicy::F32).unwrap();
-            let Matrix::WithCodes { dense, .. } = &matrix else {
-                panic!("{bits} bits in groups of {group}: no codes kept");
-            };
-            for rows in [1, 5, PACKED_MAX_ROWS] {
+            let what = format!("{bits} bits in groups of {group}");
+            assert!(
+                matches!(matrix, Matrix::Codes(_)),
+                "{what}: not kept as codes"
+            );
+            for rows in [1, 5, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1, 64] {
                 let x: Vec<f32> = (0..rows * k)
                     .map(|i| (i % 13) as f32 / 13.0 - 0.4)
                     .collect();
                 let x = Array::from_slice(&x, &[rows as i32, k as i32]);
-                let ours = matrix.apply_few_rows(&x).unwrap().unwrap();
                 let mlx = x.matmul(dense.t()).unwrap();
-                let (ours, mlx) = (ours.as_slice::<f32>(), mlx.as_slice::<f32>());
-                let largest = mlx.iter().fold(0f32, |m, v| m.max(v.abs()));
-                for (a, b) in ours.iter().zip(mlx) {
-                    // Sums of 256 products in another order: f32 rounding, far below 1e-5 of
-                    // the largest output.
-                    assert!(
-                        (a - b).abs() <= 1e-5 * largest,
-                        "{bits} bits, group {group}, {rows} rows: {a} vs {b}"
-                    );
+                assert_close(
+                    &matrix.apply(&x).unwrap(),
+                    &mlx,
+                    &format!("{what}, {rows} rows"),
+                );
+                if rows <= PACKED_MAX_ROWS {
+                    let few = matrix.apply_few_rows(&x).unwrap().unwrap();
+                    assert_close(&few, &mlx, &format!("{what}, {rows} rows, few"));
                 }
             }
+            // A batch of sequences, and a strided (transposed) input.
+            let x = Array::from_slice(&vec![0.1f32; 2 * 20 * k], &[2, 20, k as i32]);
+            assert_close(
+                &matrix.apply(&x).unwrap(),
+                &x.matmul(dense.t()).unwrap(),
+                &what,
+            );
+            let xt = Array::from_slice(&values[..k * 24], &[k as i32, 24]).t();
+            assert_close(
+                &matrix.apply(&xt).unwrap(),
+                &xt.matmul(dense.t()).unwrap(),
+                &what,
+            );
+            let ids = Array::from_slice(&[3i32, 0, 47, 3], &[2, 2]);
+            let rows = matrix.rows(&ids, Dtype::Float32).unwrap();
+            assert_close(
+                &rows,
+                &dense.take_axis(&ids, 0).unwrap(),
+                &format!("{what}, rows"),
+            );
+            let past = Array::from_slice(&[48i32], &[1]);
+            assert!(
+                matrix.rows(&past, Dtype::Float32).is_err(),
+                "a row past the matrix"
+            );
+
             let parts = store
                 .linear_split("m", &[16, 32], DtypePolicy::F32)
                 .unwrap();
             assert!(parts.iter().all(|p| p.matrix.code_bytes() > 0));
+            let x = Array::from_slice(&vec![0.3f32; 40 * k], &[40, k as i32]);
+            let second = dense.try_index(16..48).unwrap();
+            assert_close(
+                &parts[1].forward(&x).unwrap(),
+                &x.matmul(second.t()).unwrap(),
+                &format!("{what}, a fused matrix's part"),
+            );
         }
         // Scales that f16 cannot hold exactly (an f32 model quantised in MLX) stay f32.
         let w32 = Array::from_slice(&values, &[n as i32, k as i32]);
-        let (wq, scales, biases) = mlx_rs::ops::quantize(&w32, 32, 4).unwrap();
-        let store = TensorStore::new(
-            HashMap::from([
-                ("m.weight".to_string(), wq),
-                ("m.scales".to_string(), scales),
-                ("m.biases".to_string(), biases),
-            ]),
-            QuantSpec::affine(32),
-        );
+        let store = quantised_store(&w32, 32, 4);
+        let dense = expanded(&store, 32, 4);
         let matrix = store.matrix("m", DtypePolicy::F32).unwrap();
-        let Matrix::WithCodes { dense, .. } = &matrix else {
-            panic!("f32 scales: no codes kept");
-        };
-        let x = Array::from_slice(&vec![0.25f32; 3 * k], &[3, k as i32]);
-        let ours = matrix.apply_few_rows(&x).unwrap().unwrap();
-        let mlx = x.matmul(dense.t()).unwrap();
-        for (a, b) in ours.as_slice::<f32>().iter().zip(mlx.as_slice::<f32>()) {
-            assert!((a - b).abs() <= 1e-5 * b.abs().max(1.0), "{a} vs {b}");
+        for rows in [3, 40] {
+            let x = Array::from_slice(&vec![0.25f32; rows * k], &[rows as i32, k as i32]);
+            assert_close(
+                &matrix.apply(&x).unwrap(),
+                &x.matmul(dense.t()).unwrap(),
+                "f32 scales",
+            );
         }
-        // Past the row limit the expansion serves (MLX's product).
-        let (wq, scales, biases) = mlx_rs::ops::quantize(&w, 32, 4).unwrap();
-        let store = TensorStore::new(
-            HashMap::from([
-                ("m.weight".to_string(), wq),
-                ("m.scales".to_string(), scales),
-                ("m.biases".to_string(), biases),
-            ]),
-            QuantSpec::affine(32),
-        );
-        let matrix = store.matrix("m", DtypePolicy::F32).unwrap();
+        // Past the row limit the few-rows kernel does not apply.
         let x = Array::zeros::<f32>(&[PACKED_MAX_ROWS as i32 + 1, k as i32]).unwrap();
         assert!(matrix.apply_few_rows(&x).unwrap().is_none());
     }
