@@ -67,5 +67,22 @@ fn main() {
             });
             println!("| {n} x {k} | {rows} | {dense:.3} | {codes8:.3} | {codes4:.3} |");
         }
+        // Dequantising 256 rows on one thread, as `x_wt_long` does per panel piece.
+        let rows = 256.min(n);
+        let mut out = vec![0f32; rows * k];
+        let mut out_ms = |m: &PackedMatrix| {
+            let t = Instant::now();
+            for _ in 0..10 {
+                m.dequantize_rows_into(0, &mut out);
+            }
+            t.elapsed().as_secs_f64() * 1e2
+        };
+        let (d4, d8) = (out_ms(&packed), out_ms(&packed8));
+        let per = |ms: f64| ms * 1e6 / (rows * k) as f64;
+        println!(
+            "dequantise {rows} x {k}: 4-bit {d4:.3} ms ({:.2} ns/weight), 8-bit {d8:.3} ms ({:.2} ns/weight)",
+            per(d4),
+            per(d8)
+        );
     }
 }
