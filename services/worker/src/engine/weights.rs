@@ -376,8 +376,9 @@ impl TensorStore {
 /// Whether matrices with codes drop their f32 expansion (a CPU computing in f32): when the
 /// process holds a BLAS `sgemm` for long products on panels dequantised as they go
 /// (`strata_cpu_kernels::blas`). Without one they keep the expansion for MLX's products,
-/// and the loader says so. `STRATA_WEIGHT_EXPANSION=1` keeps both anyway: prefill products
-/// about 10% faster (no dequantising), at 4 bytes per weight more.
+/// and the loader says so. `STRATA_WEIGHT_EXPANSION=1` keeps both anyway, for measuring: long
+/// products on the expansion, at 4 bytes per weight more (as fast as the panels, measured on
+/// Qwen2.5-1.5B's prefill).
 pub fn codes_replace_expansion() -> bool {
     strata_cpu_kernels::blas::sgemm().is_some()
         && std::env::var("STRATA_WEIGHT_EXPANSION").map_or(true, |v| v != "1")
@@ -576,7 +577,7 @@ impl Matrix {
         Ok(Some(Array::from_slice(&out, &[xs[0], ws[0]])))
     }
 
-    /// Bytes of codes kept beside the expansion (`WithCodes`), else 0.
+    /// Bytes of codes held (`Codes`, or `WithCodes` beside the expansion), else 0.
     pub fn code_bytes(&self) -> usize {
         match self {
             Matrix::WithCodes { packed, .. } | Matrix::Codes(packed) => packed.bytes(),
