@@ -24,9 +24,14 @@ use tokio::sync::mpsc;
 
 use crate::engine::EngineError;
 use crate::engine::generate::{EngineOptions, GenerateRequest, Generation, TokenEvent};
-use crate::engine::loader::LoadedModel;
-use crate::engine::sequence::{CachedKv, FinishedBlock, Sequence, decode_step};
+use crate::engine::sequence::{CachedKv, FinishedBlock};
 use crate::prefix_cache::{BlockSinkFn, Prepared};
+
+mod model;
+#[cfg(test)]
+mod tests;
+
+pub use model::{BatchModel, BatchSeq};
 
 pub enum JobEvent {
     Token(TokenEvent),
@@ -120,8 +125,8 @@ impl Drop for AliveFlag {
 
 impl Scheduler {
     /// Moves `model` onto its own thread and starts taking jobs.
-    pub fn start(
-        model: LoadedModel,
+    pub fn start<M: BatchModel>(
+        model: M,
         options: EngineOptions,
         capacity: usize,
         max_batch: usize,
@@ -201,8 +206,8 @@ impl Scheduler {
 }
 
 /// A sequence in the running batch, with where its events and finished blocks go.
-struct Active {
-    seq: Sequence,
+struct Active<S> {
+    seq: S,
     events: mpsc::UnboundedSender<JobEvent>,
     sink: Option<BlockSinkFn>,
     queued: Duration,
@@ -214,14 +219,14 @@ struct Active {
     decode_span: Option<tracing::Span>,
 }
 
-fn run(
-    model: &LoadedModel,
+fn run<M: BatchModel>(
+    model: &M,
     options: &EngineOptions,
     rx: std::sync::mpsc::Receiver<Job>,
     max_batch: usize,
     c: &Counters,
 ) {
-    let mut active: Vec<Active> = Vec::new();
+    let mut active: Vec<Active<M::Seq>> = Vec::new();
     loop {
         // Admit: wait when idle, otherwise take what is waiting, up to the batch limit.
         if active.is_empty() {
@@ -262,21 +267,16 @@ fn run(
                 .sink
                 .as_mut()
                 .map(|f| &mut **f as &mut (dyn FnMut(FinishedBlock) + Send));
-            let stepped = a.seq.prefill_step(model, sink);
+            let events = a.events.clone();
+            let mut emit = |e: &TokenEvent| events.send(JobEvent::Token(e.clone())).is_ok();
+            let stepped = model.prefill_chunk(&mut a.seq, sink, &mut emit);
             drop(entered);
             match stepped {
-                Ok(()) => {
-                    if let Some(logits) = a.seq.take_prefill_logits() {
-                        a.prefill_span = None;
-                        a.decode_span = Some(tracing::info_span!(parent: &a.span, "decode"));
-                        let events = a.events.clone();
-                        let mut emit =
-                            |e: &TokenEvent| events.send(JobEvent::Token(e.clone())).is_ok();
-                        if let Err(e) = a.seq.advance(model, &logits, &mut emit) {
-                            a.failed = Some(e);
-                        }
-                    }
+                Ok(true) => {
+                    a.prefill_span = None;
+                    a.decode_span = Some(tracing::info_span!(parent: &a.span, "decode"));
                 }
+                Ok(false) => {}
                 Err(e) => a.failed = Some(e),
             }
         }
@@ -287,13 +287,13 @@ fn run(
             .collect();
         let senders: Vec<mpsc::UnboundedSender<JobEvent>> =
             in_step.iter().map(|&i| active[i].events.clone()).collect();
-        let mut batch: Vec<&mut Sequence> = active
+        let mut batch: Vec<&mut M::Seq> = active
             .iter_mut()
             .enumerate()
             .filter(|(i, _)| in_step.contains(i))
             .map(|(_, a)| &mut a.seq)
             .collect();
-        let stepped = decode_step(model, &mut batch, &mut |i, e| {
+        let stepped = model.decode(&mut batch, &mut |i, e| {
             senders[i].send(JobEvent::Token(e.clone())).is_ok()
         });
         drop(batch);
@@ -321,21 +321,23 @@ fn run(
         while i < active.len() {
             if active[i].failed.is_some() || active[i].seq.is_finished() {
                 let a = active.swap_remove(i);
-                retire(a, c);
+                retire(model, a, c);
             } else {
                 i += 1;
             }
         }
+        // Before the loop may block on an empty queue: an idle engine reports none running.
+        c.running.store(active.len(), Ordering::Relaxed);
     }
 }
 
 /// Starts a job's sequence (validation, cached blocks), or answers it with its error.
-fn admit(
-    model: &LoadedModel,
+fn admit<M: BatchModel>(
+    model: &M,
     options: &EngineOptions,
     job: Job,
     c: &Counters,
-    active: &mut Vec<Active>,
+    active: &mut Vec<Active<M::Seq>>,
 ) {
     c.queued.fetch_sub(1, Ordering::Relaxed);
     let queued = job.enqueued.elapsed();
@@ -361,7 +363,7 @@ fn admit(
         // Validation and the import of cached KV into the sequence's buffers.
         let span = tracing::info_span!(parent: &job.span, "kv.import", tokens = cached_tokens);
         let _entered = span.enter();
-        Sequence::new(model, job.request, options, &cached)
+        model.start(job.request, options, &cached)
     };
     match started {
         Ok(seq) => active.push(Active {
@@ -385,7 +387,7 @@ fn admit(
 }
 
 /// Sends a sequence's last event and counts it.
-fn retire(mut a: Active, c: &Counters) {
+fn retire<M: BatchModel>(model: &M, mut a: Active<M::Seq>, c: &Counters) {
     let result = match a.failed {
         Some(e) => Err(e),
         None => {
@@ -393,10 +395,7 @@ fn retire(mut a: Active, c: &Counters) {
                 .sink
                 .as_mut()
                 .map(|f| &mut **f as &mut (dyn FnMut(FinishedBlock) + Send));
-            if let Err(e) = a.seq.finish_blocks(sink) {
-                tracing::warn!(error = %e, "storing generated blocks failed");
-            }
-            a.seq.into_generation()
+            model.finish(a.seq, sink)
         }
     };
     match &result {
@@ -426,22 +425,4 @@ fn retire(mut a: Active, c: &Counters) {
         result,
         queued: a.queued,
     });
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_alive_flag_falls_when_the_engine_thread_panics() {
-        let engine_alive = Arc::new(AtomicBool::new(true));
-        let flag = AliveFlag(engine_alive.clone());
-        let joined = std::thread::spawn(move || {
-            let _flag = flag;
-            panic!("an engine bug");
-        })
-        .join();
-        assert!(joined.is_err());
-        assert!(!engine_alive.load(Ordering::SeqCst));
-    }
 }
