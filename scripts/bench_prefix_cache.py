@@ -117,7 +117,10 @@ def main():
     ap.add_argument("--bin-dir", default="target/release")
     ap.add_argument("--sizes", default="1024,2048,4096")
     ap.add_argument("--repeat", type=int, default=3, help="runs of each hit (median reported)")
+    ap.add_argument("--kv-cache-bits", type=int, default=32,
+                    help="bits per cached KV value (16: float16 blocks of the f32 KV)")
     args = ap.parse_args()
+    kv_bytes_per_token = KV_BYTES_PER_TOKEN * args.kv_cache_bits // 32
     cache = pathlib.Path(os.environ.get("STRATA_CACHE", pathlib.Path.home() / ".cache/strata"))
     model = cache / "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
     with socket.socket() as s:
@@ -125,10 +128,14 @@ def main():
         port = s.getsockname()[1]
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="strata-prefix-bench-"))
     log = tmp / "log"
+    config = tmp / "strata.toml"
+    config.write_text("\n".join([
+        f'bind = "127.0.0.1:{port}"', f'run_dir = "{tmp / "run"}"', "",
+        "[cache]", f'dir = "{tmp / "kv"}"', 'ram = "2GiB"', 'disk = "8GiB"', "",
+        "[[models]]", 'id = "m"', f'path = "{model}"', "pinned = true",
+        f"kv_cache_bits = {args.kv_cache_bits}" if args.kv_cache_bits != 32 else "", ""]))
     proc = subprocess.Popen(
-        [pathlib.Path(args.bin_dir) / "strata", "up", "--bind", f"127.0.0.1:{port}",
-         "--model", str(model), "--model-id", "m", "--run-dir", str(tmp / "run"),
-         "--kv-dir", str(tmp / "kv"), "--kv-ram", "2GiB", "--kv-disk", "8GiB"],
+        [pathlib.Path(args.bin_dir) / "strata", "up", "--config", str(config)],
         stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     rows = []
@@ -191,19 +198,20 @@ def main():
             texts = [u["text"] for u in (u0, u1, u2, u3)]
             if len(set(texts)) != 1:
                 sys.exit(f"outputs differ at {n} tokens: {texts}")
-            floor = cached * KV_BYTES_PER_TOKEN / (raw_gbps * 1e9) + decode_step
+            floor = cached * kv_bytes_per_token / (raw_gbps * 1e9) + decode_step
             # A decode step at this prompt's context (attention reads the whole prefix): 17
             # tokens on the cached prompt, (last - first) / 16.
             step_here = statistics.median(
                 ttft(base, ids, max_tokens=17)[1]["decode_s"] / 16 for _ in range(args.repeat))
-            floor_here = cached * KV_BYTES_PER_TOKEN / (raw_gbps * 1e9) + step_here
+            floor_here = cached * kv_bytes_per_token / (raw_gbps * 1e9) + step_here
             rows.append((n, cold, l0, l1, l2, floor, floor_here, step_here, cached, dropped,
                          [u["strata_cached_tokens_by_tier"] for u in (u1, u2, u3)]))
     finally:
         proc.terminate()
         proc.wait(timeout=60)
 
-    print(f"SmolLM2-135M (f32 KV, {KV_BYTES_PER_TOKEN} B/token), {os.cpu_count()} cores; "
+    print(f"SmolLM2-135M (f32 KV, cached as {args.kv_cache_bits}-bit values: "
+          f"{kv_bytes_per_token} B/token), {os.cpu_count()} cores; "
           f"raw cold read of the cache dir {raw_gbps:.2f} GB/s; decode step {decode_step * 1e3:.0f} ms")
     print(f"Hits: median of {args.repeat} runs (min-max); L1 and L2 runs each after a worker "
           "restart, L2 runs each after killing the cache service and dropping the page cache.")
