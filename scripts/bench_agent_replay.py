@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A scripted 20-turn coding-agent session replayed against Strata (cache on, cache off),
-mlx_lm.server and vllm-mlx, one server at a time on the same cores, in one run (not in CI).
+mlx_lm.server, llama-server and vllm-mlx, one server at a time on the same cores, in one run (not in CI).
 
     scripts/bench-setup
     cargo build --release --bins
@@ -22,6 +22,8 @@ Strata: the gateway, its worker and its cache service).
   prefill of the whole prompt, independent of the other turns, so it is measured at turns
   1, 5, 10, 11, 15 and 20 only (--off-turns).
 - mlx_lm.server, vllm-mlx: their own prompt caches (vllm-mlx with its SSD tier).
+- llama-server: its prompt cache in one slot of 16K tokens (the session reaches ~8K), the slot
+  saved before the restart and restored after it (the restore is counted in turn 11).
 
 Reports TTFT per turn, the total, and the cached prompt tokens each server reports per turn
 (`usage.prompt_tokens_details.cached_tokens`, where it reports them).
@@ -118,6 +120,16 @@ def replay(server, system, turns, measure_turns, salted, log):
     return rows
 
 
+class LlamaServer(bench_peers.LlamaServer):
+    """One slot that holds the whole session (bench_peers splits 40K over 8 streams)."""
+
+    def command(self):
+        cmd = super().command()
+        cmd[cmd.index("-np") + 1] = "1"
+        cmd[cmd.index("-c") + 1] = "16384"
+        return cmd
+
+
 def chat(server, messages, extra):
     """TTFT, cached tokens (None when the server does not say) and prompt tokens."""
     usage = {}
@@ -172,15 +184,17 @@ def write_report(args, results, machine, out):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bin-dir", default="target/release")
-    ap.add_argument("--servers", default="strata,strata-off,mlx_lm.server,vllm-mlx")
+    ap.add_argument("--servers", default="strata,strata-off,mlx_lm.server,llama-server,vllm-mlx")
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--system-tokens", type=int, default=3000)
     ap.add_argument("--off-turns", default="1,5,10,11,15,20")
     ap.add_argument("--vllm-mlx", default=str(bench_peers.PEERS / "vllmmlxvenv/bin/vllm-mlx"))
+    ap.add_argument("--llama-server", default=None, help="[default: from $STRATA_CACHE/peers]")
     ap.add_argument("--out", default="docs/bench/agent")
     args = ap.parse_args()
     args.model = bench_peers.MODELS["smollm2"]
-    args.llama_server = ""
+    if args.llama_server is None:
+        args.llama_server = bench_peers.llama_server_path()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="strata-agent-"))
@@ -188,7 +202,8 @@ def main():
     system = system_prompt(tokens, args.system_tokens)
     machine = bench_peers.machine_facts()
     kinds = {"strata": bench_peers.Strata, "strata-off": bench_peers.Strata,
-             "mlx_lm.server": bench_peers.MlxLm, "vllm-mlx": bench_peers.VllmMlx}
+             "mlx_lm.server": bench_peers.MlxLm, "llama-server": LlamaServer,
+             "vllm-mlx": bench_peers.VllmMlx}
     all_turns = set(range(1, args.turns + 1))
     off_turns = {int(t) for t in args.off_turns.split(",")}
 
