@@ -168,9 +168,10 @@ pub struct ModelConfig {
     /// [default: 80% of physical memory].
     #[serde(default)]
     pub memory_budget: Option<String>,
-    /// Also cache blocks of generated tokens (see `strata-worker serve --store-decode-kv`).
+    /// Cache blocks of generated tokens too (see `strata-worker serve --store-decode-kv`)
+    /// [default: on, off with `cache.exact`; `strata up --store-decode-kv` for every model].
     #[serde(default)]
-    pub store_decode_kv: bool,
+    pub store_decode_kv: Option<bool>,
     /// A draft model (GGUF file or safetensors folder) with this model's tokenizer: requests
     /// then decode speculatively unless they send `"speculative_decoding": false`. A draft
     /// with another tokenizer stops the worker at load, saying so.
@@ -206,7 +207,7 @@ impl ModelConfig {
             context_length: None,
             pinned: false,
             memory_budget: None,
-            store_decode_kv: false,
+            store_decode_kv: None,
             draft_model: None,
             draft_tokens: None,
             kv_cache_bits: None,

@@ -222,11 +222,13 @@ struct UpArgs {
     /// Memory budget of each worker whose model has none in the config, e.g. 8GiB.
     #[arg(long, env = "STRATA_WORKER_MEMORY_BUDGET")]
     worker_memory_budget: Option<String>,
-    /// Also cache the KV of generated tokens, so that a chat's next turn skips them too. Off by
-    /// default: decode-step KV rounds differently from prefill KV, so such hits are close to,
-    /// not bit-identical with, computing them.
-    #[arg(long, env = "STRATA_STORE_DECODE_KV")]
-    store_decode_kv: bool,
+    /// Cache the KV of generated tokens too, so that a chat's next turn skips the previous
+    /// answer (`--store-decode-kv false` to turn it off). On by default, off with
+    /// `--cache-exact`: decode-step KV rounds differently from prefill KV, so a hit on it equals
+    /// computing it within rounding, as every token-granular hit does, but not bit for bit.
+    /// A model's own `store_decode_kv` in strata.toml wins over this.
+    #[arg(long, env = "STRATA_STORE_DECODE_KV", num_args = 0..=1, default_missing_value = "true")]
+    store_decode_kv: Option<bool>,
     /// Block-granular, bit-identical cache hits (`cache.exact` in strata.toml). By default a hit
     /// reuses the longest common prefix at any token and equals a cold run within rounding.
     #[arg(long, env = "STRATA_CACHE_EXACT")]
@@ -739,7 +741,9 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
                     .flatten(),
             )
             .chain(
-                (m.store_decode_kv || args.store_decode_kv)
+                m.store_decode_kv
+                    .or(args.store_decode_kv)
+                    .unwrap_or(!(config.cache.exact || args.cache_exact))
                     .then(|| "--store-decode-kv".to_string()),
             )
             .chain((config.cache.exact || args.cache_exact).then(|| "--cache-exact".to_string()))

@@ -50,7 +50,7 @@ def test_dashboard_shows_live_numbers_and_restarts_a_worker(cluster, page, tmp_p
     expect(row.locator(".ttft")).to_contain_text(" s")
     expect(page.locator("#ttft-plot circle").first).to_be_attached()
     expect(row).to_contain_text("prefix_cache: on")
-    expect(row).to_contain_text("store_decode_kv: off")
+    expect(row).to_contain_text("store_decode_kv: on")
 
     artifacts = pathlib.Path(os.environ.get("STRATA_TEST_ARTIFACTS", tmp_path))
     artifacts.mkdir(parents=True, exist_ok=True)
