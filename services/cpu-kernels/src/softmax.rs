@@ -78,11 +78,16 @@ fn exp_nonpositive(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
-    // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer (no float->int
-    // rounding instruction is needed, so this vectorises on baseline x86-64 too).
+    // 1.5 * 2^23: adding it rounds to the nearest integer, which then sits in the low bits of
+    // the sum's mantissa; subtracting it again gives that integer as a float. Neither needs a
+    // float->int instruction, and taking the integer from the bits avoids Rust's saturating
+    // `as i32`, which the compiler does not vectorise (it made this loop scalar: a quarter of
+    // the attention time of a 255-token chunk at 4K context).
     const ROUND: f32 = 12_582_912.0;
     let x = if x < -87.336_55 { -87.336_55 } else { x };
-    let n = (x * LOG2E + ROUND) - ROUND;
+    let shifted = x * LOG2E + ROUND;
+    let n = shifted - ROUND;
+    let n_int = shifted.to_bits().wrapping_sub(ROUND.to_bits()) as i32;
     let r = x - n * LN2_HI - n * LN2_LO;
     let r2 = r * r;
     let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
@@ -90,7 +95,7 @@ fn exp_nonpositive(x: f32) -> f32 {
         * r
         + 0.5;
     let e_r = p * r2 + r + 1.0;
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    let scale = f32::from_bits((n_int.wrapping_add(127) as u32) << 23);
     e_r * scale
 }
 
