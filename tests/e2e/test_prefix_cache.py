@@ -162,9 +162,10 @@ def test_the_partial_tail_of_an_earlier_prompt_is_reused(cluster):
     first = ids[:2 * BLOCK + 101]
     _, usage = complete(cluster, first, salt)
     assert usage.prompt_tokens_details.cached_tokens == 0
-    # The next turn extends it and resumes from that partial block.
+    # The next turn extends it and resumes from a partial block: the one its answer was stored
+    # in, which also holds the first turn's last prompt token (computed, never imported).
     warm, usage = complete(cluster, ids, salt)
-    resumed = 2 * BLOCK + 100
+    resumed = 2 * BLOCK + 101
     assert usage.prompt_tokens_details.cached_tokens == resumed
     assert tiers(usage) == (resumed, 0, 0)
     # With the cache out of the way (a fresh salt) and the same chunk boundaries, the same
@@ -198,17 +199,21 @@ def two_turns(cluster, salt):
     return r.usage.prompt_tokens_details.cached_tokens
 
 
-def test_generated_tokens_are_not_cached_by_default(cluster):
-    # Only the first prompt's body (249 tokens, a partial block) is reused.
-    assert two_turns(cluster, "decode-kv-off") == 249
+def test_generated_tokens_are_cached_by_default(cluster):
+    # The first block (250 prompt tokens and 6 generated ones) and the partial tail after it:
+    # every generated token whose KV was computed, all but the last (never fed), so the next
+    # turn resumes right after the answer.
+    assert two_turns(cluster, "decode-kv-on") == 250 + 20 - 1
 
 
-def test_generated_tokens_are_cached_with_store_decode_kv(bin_dir, default_model, tmp_path):
-    with running_cluster(bin_dir, default_model, tmp_path, "--store-decode-kv") as c:
-        # The first block (250 prompt tokens and 6 generated ones) and the partial tail after
-        # it: every generated token whose KV was computed, all but the last (never fed), so
-        # the next turn resumes right after the answer.
-        assert two_turns(c, "decode-kv-on") == 250 + 20 - 1
+def test_generated_tokens_are_not_cached_when_turned_off_or_exact(bin_dir, default_model,
+                                                                   tmp_path):
+    for name, extra in (("off", ["--store-decode-kv", "false"]), ("exact", ["--cache-exact"])):
+        tmp = tmp_path / name
+        tmp.mkdir()
+        with running_cluster(bin_dir, default_model, tmp, *extra) as c:
+            # Only the first prompt's body (249 tokens, a partial block) is reused.
+            assert two_turns(c, "decode-kv-off") == 249, extra
 
 
 def test_two_models_never_share_blocks(bin_dir, default_model, tmp_path):
