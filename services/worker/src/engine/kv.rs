@@ -175,6 +175,113 @@ impl KvCache {
         ))
     }
 
+    /// Grows every layer's buffers to hold `t` more tokens and materialises them, for
+    /// `write_rows`. Buffers that already have room are left as they are.
+    pub fn reserve(&mut self, t: usize) -> Result<()> {
+        let needed = self.len + t;
+        let grow_to = needed.div_ceil(self.step_tokens) * self.step_tokens;
+        let layout = self.layout;
+        let held = self.len as i32;
+        for slot in &mut self.layers {
+            if matches!(slot, Some(kv) if kv.keys.shape()[2] as usize >= needed) {
+                continue;
+            }
+            let fresh = |old: Option<&Array>| -> Result<Array> {
+                let shape = |tokens: usize| {
+                    [
+                        1,
+                        layout.kv_heads as i32,
+                        tokens as i32,
+                        layout.head_dim as i32,
+                    ]
+                };
+                Ok(match old {
+                    Some(old) if held > 0 => {
+                        let kept = old.try_index((.., .., 0..held, ..))?;
+                        let extra = zeros_dtype(&shape(grow_to - held as usize), layout.dtype)?;
+                        concatenate(&[kept, extra], 2)?
+                    }
+                    _ => zeros_dtype(&shape(grow_to), layout.dtype)?,
+                })
+            };
+            let keys = fresh(slot.as_ref().map(|kv| &kv.keys))?;
+            let values = fresh(slot.as_ref().map(|kv| &kv.values))?;
+            *slot = Some(LayerKv { keys, values });
+        }
+        self.eval()?;
+        self.capacity = self
+            .layers
+            .iter()
+            .flatten()
+            .map(|kv| kv.keys.shape()[2] as usize)
+            .min()
+            .unwrap_or(0);
+        Ok(())
+    }
+
+    /// Writes the K and V rows of `t` new tokens of `layer` (`[t, kv_heads * head_dim]` each,
+    /// row-major, the projections' layout) after the tokens held, in place. Needs f32 buffers
+    /// with room, after `reserve(t)`; call for every layer, then `advance(t)`.
+    ///
+    /// Why in place: a decode step computed outside MLX (`llama::host_step`) would otherwise
+    /// pay an MLX slice update, a graph and a synchronisation per layer for a few hundred
+    /// bytes, which is most of a step's time on a CPU.
+    pub fn write_rows(&mut self, layer: usize, keys: &[f32], values: &[f32]) -> Result<()> {
+        let l = self.layout;
+        let width = l.kv_heads * l.head_dim;
+        let t = keys.len() / width.max(1);
+        let kv = self
+            .layers
+            .get(layer)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| EngineError::Config(format!("layer {layer} has no KV buffers")))?;
+        let capacity = kv.keys.shape()[2] as usize;
+        if l.dtype != Dtype::Float32
+            || keys.len() != t * width
+            || values.len() != keys.len()
+            || self.len + t > capacity
+        {
+            return Err(EngineError::Config(format!(
+                "KV rows of {} values for {t} tokens at {} do not fit layer {layer} ({capacity} \
+                 tokens, {:?})",
+                keys.len(),
+                self.len,
+                l.dtype
+            )));
+        }
+        for (buffer, rows) in [(&kv.keys, keys), (&kv.values, values)] {
+            // Must be a materialised, row-major buffer of its full size (`reserve` made it).
+            let full = buffer
+                .try_as_slice::<f32>()
+                .map_err(|e| EngineError::Mlx(format!("KV buffer of layer {layer}: {e}")))?;
+            if full.len() != l.kv_heads * capacity * l.head_dim {
+                return Err(EngineError::Mlx(format!(
+                    "KV buffer of layer {layer} is not [{}, {capacity}, {}]",
+                    l.kv_heads, l.head_dim
+                )));
+            }
+            // SAFETY: the buffer is evaluated and row-major with the length checked above, so
+            // the data pointer MLX returns addresses `full.len()` floats. Only this cache holds
+            // the buffer (views of it live within one forward pass, and none is alive here),
+            // and the rows written are past `len`, which no view taken so far reads. MLX
+            // computes nothing between the evaluation above and these writes (this thread
+            // evaluates synchronously), so no MLX operation reads or writes them concurrently.
+            let data = unsafe { mlx_sys::mlx_array_data_float32(buffer.as_ptr()) } as *mut f32;
+            for i in 0..t {
+                for h in 0..l.kv_heads {
+                    let src = &rows[i * width + h * l.head_dim..][..l.head_dim];
+                    let at = (h * capacity + self.len + i) * l.head_dim;
+                    // SAFETY: `at + head_dim <= kv_heads * capacity * head_dim` since
+                    // `h < kv_heads` and `len + i < capacity`.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(src.as_ptr(), data.add(at), l.head_dim)
+                    };
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The whole key and value buffers of `layer` (`[1, kv_heads, capacity, dim]`, pending
     /// writes included), for kernels that read the cache in place.
     pub fn layer_buffers(&self, layer: usize) -> Option<(&Array, &Array)> {
@@ -434,6 +541,62 @@ mod tests {
         let mut bad = KvCache::new(layout, 16);
         assert!(bad.import_all(&[(&first, 5)]).is_err());
         assert!(bad.import_all(&[(&first[..first.len() - 4], 3)]).is_err());
+    }
+
+    /// Rows written in place land where MLX's appends put them, across a growth of the
+    /// buffers, and rows that do not fit or have the wrong width are refused.
+    #[test]
+    fn rows_written_in_place_equal_rows_appended() {
+        let layout = KvLayout {
+            num_layers: 2,
+            kv_heads: 2,
+            head_dim: 4,
+            dtype: Dtype::Float32,
+        };
+        let width = layout.kv_heads * layout.head_dim;
+        // Token i's K row: head-major values [t, kv_heads * dim], V rows negated.
+        let rows = |from: usize, t: usize, layer: usize| -> Vec<f32> {
+            (0..t * width)
+                .map(|j| (100 * layer + from * width + j) as f32)
+                .collect()
+        };
+        let as_mlx = |r: &[f32], t: usize| {
+            // [t, kv_heads, dim] -> [1, kv_heads, t, dim]
+            Array::from_slice(r, &[1, t as i32, 2, 4])
+                .transpose_axes(&[0, 2, 1, 3])
+                .unwrap()
+        };
+        let (mut written, mut appended) = (KvCache::new(layout, 4), KvCache::new(layout, 4));
+        let mut held = 0;
+        for t in [3, 1, 1, 4] {
+            written.reserve(t).unwrap();
+            for layer in 0..2 {
+                let k = rows(held, t, layer);
+                let v: Vec<f32> = k.iter().map(|x| -x).collect();
+                written.write_rows(layer, &k, &v).unwrap();
+                appended
+                    .append(layer, &as_mlx(&k, t), &as_mlx(&v, t))
+                    .unwrap();
+            }
+            written.advance(t);
+            appended.advance(t);
+            held += t;
+        }
+        assert_eq!(written.len(), 9);
+        assert_eq!(
+            written.export(0, 9).unwrap(),
+            appended.export(0, 9).unwrap()
+        );
+        // Past the buffers' room, or rows of the wrong width: refused, nothing written.
+        let room = written.capacity() - written.len();
+        let too_many = vec![0f32; (room + 1) * width];
+        assert!(written.write_rows(0, &too_many, &too_many).is_err());
+        assert!(written.write_rows(0, &[1.0; 3], &[1.0; 3]).is_err());
+        assert!(written.write_rows(5, &[0.0; 8], &[0.0; 8]).is_err());
+        assert_eq!(
+            written.export(0, 9).unwrap(),
+            appended.export(0, 9).unwrap()
+        );
     }
 
     #[test]

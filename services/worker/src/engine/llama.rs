@@ -20,6 +20,8 @@ use super::policy::DtypePolicy;
 use super::weights::{Linear, Matrix, TensorStore};
 use super::{EngineError, Result};
 
+mod host_step;
+
 /// How a file names its tensors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TensorNaming {
@@ -115,6 +117,9 @@ pub struct Model {
     rotary: Rotary,
     /// Attention runs through `cpu_attention` (on the CPU, in f32) instead of MLX's kernel.
     cpu_attention: bool,
+    /// Norms, biases and RoPE frequencies for passes of a few rows computed wholly on the CPU
+    /// (`host_step`); None off a CPU or where a matrix is not f32-readable.
+    host: Option<host_step::HostWeights>,
 }
 
 /// What a forward pass returns.
@@ -152,6 +157,12 @@ fn attention_weights(q: &Array, keys: &Array, held: i32, scale: f32) -> Result<A
     let mask = Array::from_slice(&mask, &[group * t, positions]);
     let weights = mlx_rs::ops::softmax_axis(scores.add(&mask)?, -1, true)?;
     Ok(weights.mean_axes(&[0, 1, 2], false)?)
+}
+
+/// Whether passes of a few rows run on the host kernels (`host_step`) on a CPU;
+/// `STRATA_HOST_STEPS=0` keeps them on MLX's operations, for measuring one against the other.
+fn host_steps_enabled() -> bool {
+    std::env::var("STRATA_HOST_STEPS").map_or(true, |v| v != "0")
 }
 
 fn read(a: &Array) -> Result<&[f32]> {
@@ -269,7 +280,8 @@ impl Model {
         let final_norm = store.vector(naming.final_norm(), policy)?;
         final_norm.eval()?;
         let rotary = Rotary::new(&config, policy)?;
-        Ok(Self {
+        let cpu = crate::mlx_device::default_device_kind() == "cpu";
+        let mut model = Self {
             config,
             policy,
             embed,
@@ -277,8 +289,23 @@ impl Model {
             final_norm,
             layers,
             rotary,
-            cpu_attention: crate::mlx_device::default_device_kind() == "cpu",
-        })
+            cpu_attention: cpu,
+            host: None,
+        };
+        if cpu && host_steps_enabled() {
+            model.host = host_step::HostWeights::new(&model)?;
+        }
+        Ok(model)
+    }
+
+    /// Turns passes of a few rows on the host kernels (`host_step`) on or off; returns whether
+    /// they are on (never off a CPU, or for weights that are not f32-readable).
+    pub fn set_host_steps(&mut self, on: bool) -> Result<bool> {
+        self.host = None;
+        if on && self.cpu_attention {
+            self.host = host_step::HostWeights::new(self)?;
+        }
+        Ok(self.host.is_some())
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -328,6 +355,9 @@ impl Model {
     /// (`[batch, vocab]`, f32).
     pub fn forward(&self, batch: &mut [SeqChunk<'_>]) -> Result<Array> {
         self.check(batch)?;
+        if self.host_step_applies(batch) {
+            return self.host_forward(batch);
+        }
         let ids: Vec<u32> = batch
             .iter()
             .flat_map(|s| s.tokens.iter().copied())

@@ -1,0 +1,402 @@
+//! A forward pass of a few rows (decode steps of a batch, a few new tokens after a cache hit)
+//! computed on the CPU by Rust kernels end to end, with no MLX graph between them.
+//!
+//! Why: on a CPU a decode step of SmolLM2 reads ~93 MB of weight codes (about 6 ms), but
+//! through MLX it cost ~40 ms: each layer built and evaluated small graphs (norms, RoPE, slice
+//! updates of the cache, adds) between the few-rows kernels, and every evaluation handed the
+//! work to MLX's stream thread and back (perf: futex wake-ups and the scheduler took more
+//! samples than the products). Here the same operations run in place on `f32` slices: the
+//! products through `strata_cpu_kernels` (the file's codes or the f32 weights), attention read
+//! straight from the cache's buffers, new K/V rows written into them (`KvCache::write_rows`).
+//! The arithmetic is the MLX path's, one operation at a time in f32; results equal it within
+//! rounding (tests in `llama::tests`).
+
+use mlx_rs::ops::{arange, exp};
+use mlx_rs::{Array, Dtype};
+use strata_cpu_kernels::attention::{CacheBuffers, few_queries};
+use strata_cpu_kernels::packed::{PackedMatrix, x_wt_many};
+
+use super::super::config::ModelConfig;
+use super::super::weights::{Linear, Matrix};
+use super::super::{EngineError, Result};
+use super::{Model, SeqChunk, read};
+
+/// Rows of a batch (all sequences' new tokens) up to which a pass runs here: the few-rows
+/// product kernels' range.
+pub const HOST_MAX_ROWS: usize = super::super::weights::PACKED_MAX_ROWS;
+
+/// New tokens per sequence up to which a pass runs here: attention reads each cached position
+/// once per query row, which for longer chunks loses to BLAS products over the cache.
+pub const HOST_MAX_QUERIES: usize = 4;
+
+/// What a host pass needs beyond the model's matrices, in f32 slices: norms, biases, RoPE's
+/// inverse frequencies.
+pub(super) struct HostWeights {
+    layers: Vec<HostLayer>,
+    final_norm: Vec<f32>,
+    /// Per rotated pair, as MLX computes them (`exp(-i · ln(base) / half)`, or the reciprocal
+    /// of explicit periods), so that angles match its RoPE bit for bit.
+    inv_freqs: Vec<f32>,
+    /// Longrope's factor on the rotated dimensions (`[head_dim]`).
+    input_scale: Option<Vec<f32>>,
+}
+
+struct HostLayer {
+    attn_norm: Vec<f32>,
+    mlp_norm: Vec<f32>,
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+    /// Biases of q, k, v, o, gate, up, down.
+    biases: [Option<Vec<f32>>; 7],
+}
+
+fn to_vec(a: &Array) -> Result<Vec<f32>> {
+    let a = a.as_dtype(Dtype::Float32)?;
+    Ok(read(&a)?.to_vec())
+}
+
+/// Whether the pass can read `m` as f32 slices: codes, or a row-major f32 matrix.
+fn host_readable(m: &Matrix) -> bool {
+    match m {
+        Matrix::Codes(_) | Matrix::WithCodes { .. } => true,
+        Matrix::Dense(w) => w.dtype() == Dtype::Float32 && w.try_as_slice::<f32>().is_ok(),
+        Matrix::Quantized(_) => false,
+    }
+}
+
+impl HostWeights {
+    /// The host pass's weights for a model computing in f32 on a CPU, or None when some matrix
+    /// cannot be read as f32 (MLX-quantised weights for a GPU).
+    pub(super) fn new(model: &Model) -> Result<Option<Self>> {
+        let c = &model.config;
+        let matrices = model
+            .layers
+            .iter()
+            .flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down].map(|m| &m.matrix))
+            .chain(std::iter::once(&model.embed))
+            .chain(model.head.as_ref());
+        let mut readable = true;
+        for m in matrices {
+            readable &= host_readable(m);
+        }
+        if !readable || model.policy.compute != Dtype::Float32 || model.policy.kv != Dtype::Float32
+        {
+            return Ok(None);
+        }
+        let mut layers = Vec::with_capacity(model.layers.len());
+        for l in &model.layers {
+            let bias = |lin: &Linear| lin.bias.as_ref().map(to_vec).transpose();
+            layers.push(HostLayer {
+                attn_norm: to_vec(&l.attn_norm)?,
+                mlp_norm: to_vec(&l.mlp_norm)?,
+                q_norm: l.q_norm.as_ref().map(to_vec).transpose()?,
+                k_norm: l.k_norm.as_ref().map(to_vec).transpose()?,
+                biases: [
+                    bias(&l.q)?,
+                    bias(&l.k)?,
+                    bias(&l.v)?,
+                    bias(&l.o)?,
+                    bias(&l.gate)?,
+                    bias(&l.up)?,
+                    bias(&l.down)?,
+                ],
+            });
+        }
+        Ok(Some(Self {
+            layers,
+            final_norm: to_vec(&model.final_norm)?,
+            inv_freqs: inverse_frequencies(c, model.rotary.periods.as_ref())?,
+            input_scale: model.rotary.input_scale.as_ref().map(to_vec).transpose()?,
+        }))
+    }
+}
+
+/// RoPE's inverse frequencies by MLX's own operations (those of its RoPE on a CPU).
+fn inverse_frequencies(c: &ModelConfig, periods: Option<&Array>) -> Result<Vec<f32>> {
+    let inv = match periods {
+        Some(p) => p.as_dtype(Dtype::Float32)?.reciprocal()?,
+        None => {
+            let half = (c.rope_dims / 2) as i32;
+            let step = c.rope_theta.ln() / half as f32;
+            exp(arange::<_, f32>(0, -half, -1)?.multiply(Array::from_f32(step))?)?
+        }
+    };
+    to_vec(&inv)
+}
+
+/// A matrix as the kernels read it.
+enum HostMatrix<'a> {
+    Packed(&'a PackedMatrix),
+    Dense { w: &'a [f32], n: usize, k: usize },
+}
+
+fn host_matrix(m: &Matrix) -> Result<HostMatrix<'_>> {
+    match m {
+        Matrix::Codes(p) | Matrix::WithCodes { packed: p, .. } => Ok(HostMatrix::Packed(p)),
+        Matrix::Dense(w) => Ok(HostMatrix::Dense {
+            w: read(w)?,
+            n: w.shape()[0] as usize,
+            k: w.shape()[1] as usize,
+        }),
+        Matrix::Quantized(_) => Err(EngineError::Mlx(
+            "a host pass over MLX-quantised weights".into(),
+        )),
+    }
+}
+
+/// `x · Wᵀ (+ bias)` for each matrix (all of `x`'s row length), `x` of `[rows, k]`: one
+/// parallel pass over all of them when all are codes.
+fn products<const N: usize>(
+    matrices: [&Matrix; N],
+    biases: [&Option<Vec<f32>>; N],
+    x: &[f32],
+    rows: usize,
+) -> Result<[Vec<f32>; N]> {
+    let host = matrices
+        .iter()
+        .map(|m| host_matrix(m))
+        .collect::<Result<Vec<_>>>()?;
+    let packed: Vec<&PackedMatrix> = host
+        .iter()
+        .filter_map(|m| match m {
+            HostMatrix::Packed(p) => Some(*p),
+            HostMatrix::Dense { .. } => None,
+        })
+        .collect();
+    let mut outs = if packed.len() == N {
+        x_wt_many(&packed, x, rows)
+    } else {
+        host.iter()
+            .map(|m| match m {
+                HostMatrix::Packed(p) => p.x_wt(x, rows),
+                HostMatrix::Dense { w, n, k } => {
+                    strata_cpu_kernels::matmul::x_wt(x, rows, w, *n, *k)
+                }
+            })
+            .collect()
+    };
+    for (out, bias) in outs.iter_mut().zip(biases) {
+        if let Some(b) = bias {
+            for row in out.chunks_exact_mut(b.len()) {
+                for (y, b) in row.iter_mut().zip(b) {
+                    *y += b;
+                }
+            }
+        }
+    }
+    outs.try_into()
+        .map_err(|_| EngineError::Mlx("a product group lost an output".into()))
+}
+
+/// RMSNorm of each `weight.len()`-wide row of `x` into `out`, as MLX's CPU computes it:
+/// `x · rsqrt(mean(x²) + eps) · weight`.
+fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let d = weight.len();
+    for (row, out) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        // Eight running sums, so that the loop vectorises.
+        let mut acc = [0f32; 8];
+        let mut chunks = row.chunks_exact(8);
+        for c in &mut chunks {
+            for (a, v) in acc.iter_mut().zip(c) {
+                *a += v * v;
+            }
+        }
+        let tail: f32 = chunks.remainder().iter().map(|v| v * v).sum();
+        let mean = (acc.iter().sum::<f32>() + tail) / d as f32;
+        let inv = 1.0 / (mean + eps).sqrt();
+        for ((o, v), w) in out.iter_mut().zip(row).zip(weight) {
+            *o = v * inv * w;
+        }
+    }
+}
+
+/// `silu(gate) · up`, in place in `gate`.
+fn swiglu(gate: &mut [f32], up: &[f32]) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
+    }
+}
+
+impl Model {
+    /// Whether `host_forward` computes this batch: a CPU computing in f32 with host weights,
+    /// few rows, few new tokens per sequence.
+    pub(super) fn host_step_applies(&self, batch: &[SeqChunk<'_>]) -> bool {
+        let rows: usize = batch.iter().map(|s| s.tokens.len()).sum();
+        self.host.is_some()
+            && rows <= HOST_MAX_ROWS
+            && batch.iter().all(|s| s.tokens.len() <= HOST_MAX_QUERIES)
+    }
+
+    /// `forward` (logits after each sequence's last new token, `[batch, vocab]`) computed by
+    /// the host kernels. The batch is checked by the caller.
+    pub(super) fn host_forward(&self, batch: &mut [SeqChunk<'_>]) -> Result<Array> {
+        let host = self
+            .host
+            .as_ref()
+            .ok_or_else(|| EngineError::Mlx("no host weights".into()))?;
+        let c = &self.config;
+        let (h, hk, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
+        let d = c.hidden_size;
+        let ids: Vec<usize> = batch
+            .iter()
+            .flat_map(|s| s.tokens.iter().map(|&t| t as usize))
+            .collect();
+        let rows = ids.len();
+        let mut x = self.host_embed(&ids)?;
+        // Every sequence's RoPE position of each new token, in batch order.
+        let mut positions = Vec::with_capacity(rows);
+        for seq in batch.iter_mut() {
+            let t = seq.tokens.len();
+            for (_, len, first) in seq.cache.position_runs(t) {
+                positions.extend(first..first + len);
+            }
+            seq.cache.reserve(t)?;
+        }
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut normed = vec![0f32; rows * d];
+        for (li, (layer, hl)) in self.layers.iter().zip(&host.layers).enumerate() {
+            rms_norm(&x, &hl.attn_norm, c.rms_norm_eps, &mut normed);
+            let [mut q, mut k, v] = products(
+                [&layer.q.matrix, &layer.k.matrix, &layer.v.matrix],
+                [&hl.biases[0], &hl.biases[1], &hl.biases[2]],
+                &normed,
+                rows,
+            )?;
+            if let (Some(qn), Some(kn)) = (&hl.q_norm, &hl.k_norm) {
+                let q_in = q.clone();
+                rms_norm(&q_in, qn, c.rms_norm_eps, &mut q);
+                let k_in = k.clone();
+                rms_norm(&k_in, kn, c.rms_norm_eps, &mut k);
+            }
+            if !c.no_rope_layers.contains(&li) {
+                self.host_rope(host, &mut q, h, &positions);
+                self.host_rope(host, &mut k, hk, &positions);
+            }
+            let mut attended = Vec::with_capacity(rows * h * hd);
+            let mut at = 0;
+            for seq in batch.iter_mut() {
+                let t = seq.tokens.len();
+                seq.cache.write_rows(
+                    li,
+                    &k[at * hk * hd..(at + t) * hk * hd],
+                    &v[at * hk * hd..(at + t) * hk * hd],
+                )?;
+                // The kernel takes queries head-major: [heads, t, dim].
+                let mut qh = vec![0f32; t * h * hd];
+                for i in 0..t {
+                    for head in 0..h {
+                        qh[(head * t + i) * hd..][..hd]
+                            .copy_from_slice(&q[((at + i) * h + head) * hd..][..hd]);
+                    }
+                }
+                let (kb, vb) = seq
+                    .cache
+                    .layer_buffers(li)
+                    .ok_or_else(|| EngineError::Mlx("no KV buffers after a write".into()))?;
+                let cache = CacheBuffers {
+                    keys: read(kb)?,
+                    values: read(vb)?,
+                    kv_heads: hk,
+                    capacity: kb.shape()[2] as usize,
+                    dim: hd,
+                    visible: seq.cache.len() + t,
+                };
+                attended.extend(few_queries(&qh, h, t, cache, scale));
+                at += t;
+            }
+            let [o] = products([&layer.o.matrix], [&hl.biases[3]], &attended, rows)?;
+            add_into(&mut x, &o);
+            rms_norm(&x, &hl.mlp_norm, c.rms_norm_eps, &mut normed);
+            let [mut gate, up] = products(
+                [&layer.gate.matrix, &layer.up.matrix],
+                [&hl.biases[4], &hl.biases[5]],
+                &normed,
+                rows,
+            )?;
+            swiglu(&mut gate, &up);
+            let [down] = products([&layer.down.matrix], [&hl.biases[6]], &gate, rows)?;
+            add_into(&mut x, &down);
+        }
+        // Each sequence's last row through the final norm and the head.
+        let mut last = Vec::with_capacity(batch.len() * d);
+        let mut end = 0;
+        for seq in batch.iter_mut() {
+            let t = seq.tokens.len();
+            seq.cache.advance(t);
+            end += t;
+            last.extend_from_slice(&x[(end - 1) * d..end * d]);
+        }
+        let mut normed = vec![0f32; last.len()];
+        rms_norm(&last, &host.final_norm, c.rms_norm_eps, &mut normed);
+        let head = self.head.as_ref().unwrap_or(&self.embed);
+        let [logits] = products([head], [&None], &normed, batch.len())?;
+        let vocab = logits.len() / batch.len().max(1);
+        Ok(Array::from_slice(
+            &logits,
+            &[batch.len() as i32, vocab as i32],
+        ))
+    }
+
+    /// The input embeddings of `ids` (checked against the vocabulary), `[ids, hidden]`.
+    fn host_embed(&self, ids: &[usize]) -> Result<Vec<f32>> {
+        match host_matrix(&self.embed)? {
+            HostMatrix::Packed(p) => p
+                .gather_rows(ids)
+                .ok_or_else(|| EngineError::Config("a token id past the embedding".into())),
+            HostMatrix::Dense { w, n, k } => {
+                let mut out = Vec::with_capacity(ids.len() * k);
+                for &id in ids {
+                    if id >= n {
+                        return Err(EngineError::Config("a token id past the embedding".into()));
+                    }
+                    out.extend_from_slice(&w[id * k..(id + 1) * k]);
+                }
+                Ok(out)
+            }
+        }
+    }
+
+    /// RoPE in place on `x` (`[rows, heads · head_dim]`), row r at `positions[r]`: MLX's
+    /// fallback arithmetic (angle = (position · scale) · inverse frequency, then
+    /// `x1·cos − x2·sin`, `x1·sin + x2·cos`) on pairs of halves, or of neighbours when
+    /// `rope_traditional`.
+    fn host_rope(&self, host: &HostWeights, x: &mut [f32], heads: usize, positions: &[usize]) {
+        let c = &self.config;
+        let hd = c.head_dim;
+        let half = c.rope_dims / 2;
+        let position_scale = c.rope_scaling.position_scale();
+        let mut cos = vec![0f32; half];
+        let mut sin = vec![0f32; half];
+        for (row, &p) in x.chunks_exact_mut(heads * hd).zip(positions) {
+            let position = p as f32 * position_scale;
+            for i in 0..half {
+                let theta = position * host.inv_freqs[i];
+                cos[i] = theta.cos();
+                sin[i] = theta.sin();
+            }
+            for head in row.chunks_exact_mut(hd) {
+                if let Some(s) = &host.input_scale {
+                    for (v, s) in head.iter_mut().zip(s) {
+                        *v *= s;
+                    }
+                }
+                for i in 0..half {
+                    let (a, b) = if c.rope_traditional {
+                        (2 * i, 2 * i + 1)
+                    } else {
+                        (i, i + half)
+                    };
+                    let (x1, x2) = (head[a], head[b]);
+                    head[a] = x1 * cos[i] - x2 * sin[i];
+                    head[b] = x1 * sin[i] + x2 * cos[i];
+                }
+            }
+        }
+    }
+}
+
+fn add_into(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
