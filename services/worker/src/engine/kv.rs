@@ -175,9 +175,9 @@ impl KvCache {
         ))
     }
 
-    /// Grows every layer's buffers to hold `t` more tokens and materialises them, for
-    /// `write_rows`. Buffers that already have room are left as they are.
-    pub fn reserve(&mut self, t: usize) -> Result<()> {
+    /// Grows every layer's buffers to hold `t` more tokens and materialises them. Buffers
+    /// that already have room are left as they are.
+    fn reserve(&mut self, t: usize) -> Result<()> {
         let needed = self.len + t;
         let grow_to = needed.div_ceil(self.step_tokens) * self.step_tokens;
         let layout = self.layout;
@@ -219,67 +219,58 @@ impl KvCache {
         Ok(())
     }
 
-    /// Writes the K and V rows of `t` new tokens of `layer` (`[t, kv_heads * head_dim]` each,
-    /// row-major, the projections' layout) after the tokens held, in place. Needs f32 buffers
-    /// with room, after `reserve(t)`; call for every layer, then `advance(t)`.
+    /// The buffers of every layer, grown to hold `t` more tokens, as memory the host kernels
+    /// write new K/V rows into and read attention from (`llama::host_step`). Needs f32
+    /// buffers. While the handle lives the cache is borrowed; `advance(t)` after it.
     ///
-    /// Why in place: a decode step computed outside MLX (`llama::host_step`) would otherwise
-    /// pay an MLX slice update, a graph and a synchronisation per layer for a few hundred
-    /// bytes, which is most of a step's time on a CPU.
-    pub fn write_rows(&mut self, layer: usize, keys: &[f32], values: &[f32]) -> Result<()> {
+    /// Why in place: a decode step computed outside MLX would otherwise pay an MLX slice
+    /// update, a graph and a synchronisation per layer for a few hundred bytes, which was most
+    /// of a step's time on a CPU.
+    pub fn host_rows(&mut self, t: usize) -> Result<HostKv<'_>> {
         let l = self.layout;
-        let width = l.kv_heads * l.head_dim;
-        let t = keys.len() / width.max(1);
-        let kv = self
-            .layers
-            .get(layer)
-            .and_then(Option::as_ref)
-            .ok_or_else(|| EngineError::Config(format!("layer {layer} has no KV buffers")))?;
-        let capacity = kv.keys.shape()[2] as usize;
-        if l.dtype != Dtype::Float32
-            || keys.len() != t * width
-            || values.len() != keys.len()
-            || self.len + t > capacity
-        {
+        if l.dtype != Dtype::Float32 {
             return Err(EngineError::Config(format!(
-                "KV rows of {} values for {t} tokens at {} do not fit layer {layer} ({capacity} \
-                 tokens, {:?})",
-                keys.len(),
-                self.len,
+                "host kernels need f32 KV buffers, not {:?}",
                 l.dtype
             )));
         }
-        for (buffer, rows) in [(&kv.keys, keys), (&kv.values, values)] {
-            // Must be a materialised, row-major buffer of its full size (`reserve` made it).
-            let full = buffer
-                .try_as_slice::<f32>()
-                .map_err(|e| EngineError::Mlx(format!("KV buffer of layer {layer}: {e}")))?;
-            if full.len() != l.kv_heads * capacity * l.head_dim {
-                return Err(EngineError::Mlx(format!(
-                    "KV buffer of layer {layer} is not [{}, {capacity}, {}]",
-                    l.kv_heads, l.head_dim
-                )));
-            }
-            // SAFETY: the buffer is evaluated and row-major with the length checked above, so
-            // the data pointer MLX returns addresses `full.len()` floats. Only this cache holds
-            // the buffer (views of it live within one forward pass, and none is alive here),
-            // and the rows written are past `len`, which no view taken so far reads. MLX
-            // computes nothing between the evaluation above and these writes (this thread
-            // evaluates synchronously), so no MLX operation reads or writes them concurrently.
-            let data = unsafe { mlx_sys::mlx_array_data_float32(buffer.as_ptr()) } as *mut f32;
-            for i in 0..t {
-                for h in 0..l.kv_heads {
-                    let src = &rows[i * width + h * l.head_dim..][..l.head_dim];
-                    let at = (h * capacity + self.len + i) * l.head_dim;
-                    // SAFETY: `at + head_dim <= kv_heads * capacity * head_dim` since
-                    // `h < kv_heads` and `len + i < capacity`.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(src.as_ptr(), data.add(at), l.head_dim)
-                    };
+        self.reserve(t)?;
+        let capacity = self.capacity;
+        let mut layers = Vec::with_capacity(l.num_layers);
+        for (layer, kv) in self.layers.iter().enumerate() {
+            let kv = kv
+                .as_ref()
+                .ok_or_else(|| EngineError::Mlx(format!("layer {layer} has no KV buffers")))?;
+            let mut pair = [std::ptr::null_mut(); 2];
+            for (ptr, buffer) in pair.iter_mut().zip([&kv.keys, &kv.values]) {
+                // Materialised, row-major and of the full size (`reserve` made it so): the
+                // data pointer then addresses every float of the buffer.
+                let full = buffer
+                    .try_as_slice::<f32>()
+                    .map_err(|e| EngineError::Mlx(format!("KV buffer of layer {layer}: {e}")))?;
+                if buffer.shape()[2] as usize != capacity
+                    || full.len() != l.kv_heads * capacity * l.head_dim
+                {
+                    return Err(EngineError::Mlx(format!(
+                        "KV buffer of layer {layer} is not [{}, {capacity}, {}]",
+                        l.kv_heads, l.head_dim
+                    )));
                 }
+                // SAFETY: an evaluated array's data pointer, valid while the array lives
+                // (the cache holds it, and it is borrowed by the handle).
+                *ptr = unsafe { mlx_sys::mlx_array_data_float32(buffer.as_ptr()) } as *mut f32;
             }
+            layers.push(pair);
         }
-        Ok(())
+        Ok(HostKv {
+            layers,
+            kv_heads: l.kv_heads,
+            dim: l.head_dim,
+            capacity,
+            len: self.len,
+            t,
+            _cache: std::marker::PhantomData,
+        })
     }
 
     /// The whole key and value buffers of `layer` (`[1, kv_heads, capacity, dim]`, pending
@@ -369,6 +360,86 @@ impl KvCache {
         }
         self.advance(tokens);
         Ok(())
+    }
+}
+
+/// One sequence's KV buffers open to the host kernels for a pass of `t` new tokens
+/// (`KvCache::host_rows`): rows `len..len + t` of each layer are written, then attention
+/// reads rows `0..len + t`.
+pub struct HostKv<'a> {
+    /// Each layer's key and value buffers, `[kv_heads, capacity, dim]` f32.
+    layers: Vec<[*mut f32; 2]>,
+    kv_heads: usize,
+    dim: usize,
+    capacity: usize,
+    len: usize,
+    t: usize,
+    _cache: std::marker::PhantomData<&'a mut KvCache>,
+}
+
+// SAFETY: the handle owns exclusive access to the buffers (it borrows the cache mutably), and
+// MLX does not touch evaluated buffers on its own: moving it to another thread moves that
+// access with it.
+unsafe impl Send for HostKv<'_> {}
+
+impl HostKv<'_> {
+    /// New tokens of this pass.
+    pub fn new_tokens(&self) -> usize {
+        self.t
+    }
+
+    /// Writes the K and V rows of this pass's new tokens for `layer`, `[t, kv_heads * dim]`
+    /// each (the projections' layout).
+    pub fn write(&mut self, layer: usize, keys: &[f32], values: &[f32]) -> Result<()> {
+        let width = self.kv_heads * self.dim;
+        let Some(&[k_buf, v_buf]) = self.layers.get(layer) else {
+            return Err(EngineError::Config(format!("layer {layer} out of range")));
+        };
+        if keys.len() != self.t * width || values.len() != keys.len() {
+            return Err(EngineError::Config(format!(
+                "KV rows of {} and {} values for {} tokens of width {width}",
+                keys.len(),
+                values.len(),
+                self.t
+            )));
+        }
+        for (buffer, rows) in [(k_buf, keys), (v_buf, values)] {
+            for i in 0..self.t {
+                for h in 0..self.kv_heads {
+                    let src = &rows[i * width + h * self.dim..][..self.dim];
+                    let at = (h * self.capacity + self.len + i) * self.dim;
+                    // SAFETY: `len + t <= capacity` (`reserve`) and `h < kv_heads`, so the row
+                    // lies inside the buffer; `&mut self` excludes any slice of it from
+                    // `buffers` being alive.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(src.as_ptr(), buffer.add(at), self.dim)
+                    };
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// `layer`'s buffers for the attention kernel, rows `0..len + t` visible.
+    pub fn buffers(&self, layer: usize) -> Option<strata_cpu_kernels::attention::CacheBuffers<'_>> {
+        let &[k_buf, v_buf] = self.layers.get(layer)?;
+        let size = self.kv_heads * self.capacity * self.dim;
+        // SAFETY: each buffer holds `size` floats (checked in `host_rows`), and no write
+        // happens while these shared slices live (`write` takes `&mut self`).
+        let (keys, values) = unsafe {
+            (
+                std::slice::from_raw_parts(k_buf as *const f32, size),
+                std::slice::from_raw_parts(v_buf as *const f32, size),
+            )
+        };
+        Some(strata_cpu_kernels::attention::CacheBuffers {
+            keys,
+            values,
+            kv_heads: self.kv_heads,
+            capacity: self.capacity,
+            dim: self.dim,
+            visible: self.len + self.t,
+        })
     }
 }
 
@@ -569,11 +640,11 @@ mod tests {
         let (mut written, mut appended) = (KvCache::new(layout, 4), KvCache::new(layout, 4));
         let mut held = 0;
         for t in [3, 1, 1, 4] {
-            written.reserve(t).unwrap();
+            let mut host = written.host_rows(t).unwrap();
             for layer in 0..2 {
                 let k = rows(held, t, layer);
                 let v: Vec<f32> = k.iter().map(|x| -x).collect();
-                written.write_rows(layer, &k, &v).unwrap();
+                host.write(layer, &k, &v).unwrap();
                 appended
                     .append(layer, &as_mlx(&k, t), &as_mlx(&v, t))
                     .unwrap();
@@ -587,12 +658,13 @@ mod tests {
             written.export(0, 9).unwrap(),
             appended.export(0, 9).unwrap()
         );
-        // Past the buffers' room, or rows of the wrong width: refused, nothing written.
-        let room = written.capacity() - written.len();
-        let too_many = vec![0f32; (room + 1) * width];
-        assert!(written.write_rows(0, &too_many, &too_many).is_err());
-        assert!(written.write_rows(0, &[1.0; 3], &[1.0; 3]).is_err());
-        assert!(written.write_rows(5, &[0.0; 8], &[0.0; 8]).is_err());
+        // More rows than the pass has, rows of the wrong width, a layer past the model:
+        // refused, nothing written.
+        let mut host = written.host_rows(1).unwrap();
+        assert!(host.write(0, &[0.0; 16], &[0.0; 16]).is_err());
+        assert!(host.write(0, &[1.0; 3], &[1.0; 3]).is_err());
+        assert!(host.write(5, &[0.0; 8], &[0.0; 8]).is_err());
+        assert_eq!(host.buffers(1).map(|b| b.visible), Some(10));
         assert_eq!(
             written.export(0, 9).unwrap(),
             appended.export(0, 9).unwrap()

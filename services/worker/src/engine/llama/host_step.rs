@@ -7,16 +7,17 @@
 //! work to MLX's stream thread and back (perf: futex wake-ups and the scheduler took more
 //! samples than the products). Here the same operations run in place on `f32` slices: the
 //! products through `strata_cpu_kernels` (the file's codes or the f32 weights), attention read
-//! straight from the cache's buffers, new K/V rows written into them (`KvCache::write_rows`).
+//! straight from the cache's buffers, new K/V rows written into them (`KvCache::host_rows`).
 //! The arithmetic is the MLX path's, one operation at a time in f32; results equal it within
 //! rounding (tests in `llama::tests`).
 
 use mlx_rs::ops::{arange, exp};
 use mlx_rs::{Array, Dtype};
-use strata_cpu_kernels::attention::{CacheBuffers, few_queries};
+use strata_cpu_kernels::attention::few_queries;
 use strata_cpu_kernels::packed::{PackedMatrix, x_wt_many};
 
 use super::super::config::ModelConfig;
+use super::super::kv::HostKv;
 use super::super::weights::{Linear, Matrix};
 use super::super::{EngineError, Result};
 use super::{Model, SeqChunk, read};
@@ -147,16 +148,12 @@ fn host_matrix(m: &Matrix) -> Result<HostMatrix<'_>> {
 /// `x · Wᵀ (+ bias)` for each matrix (all of `x`'s row length), `x` of `[rows, k]`: one
 /// parallel pass over all of them when all are codes.
 fn products<const N: usize>(
-    matrices: [&Matrix; N],
+    matrices: [&HostMatrix<'_>; N],
     biases: [&Option<Vec<f32>>; N],
     x: &[f32],
     rows: usize,
 ) -> Result<[Vec<f32>; N]> {
-    let host = matrices
-        .iter()
-        .map(|m| host_matrix(m))
-        .collect::<Result<Vec<_>>>()?;
-    let packed: Vec<&PackedMatrix> = host
+    let packed: Vec<&PackedMatrix> = matrices
         .iter()
         .filter_map(|m| match m {
             HostMatrix::Packed(p) => Some(*p),
@@ -166,7 +163,8 @@ fn products<const N: usize>(
     let mut outs = if packed.len() == N {
         x_wt_many(&packed, x, rows)
     } else {
-        host.iter()
+        matrices
+            .iter()
             .map(|m| match m {
                 HostMatrix::Packed(p) => p.x_wt(x, rows),
                 HostMatrix::Dense { w, n, k } => {
@@ -234,102 +232,50 @@ impl Model {
             .host
             .as_ref()
             .ok_or_else(|| EngineError::Mlx("no host weights".into()))?;
-        let c = &self.config;
-        let (h, hk, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
-        let d = c.hidden_size;
         let ids: Vec<usize> = batch
             .iter()
             .flat_map(|s| s.tokens.iter().map(|&t| t as usize))
             .collect();
-        let rows = ids.len();
-        let mut x = self.host_embed(&ids)?;
+        let x = self.host_embed(&ids)?;
         // Every sequence's RoPE position of each new token, in batch order.
-        let mut positions = Vec::with_capacity(rows);
-        for seq in batch.iter_mut() {
-            let t = seq.tokens.len();
-            for (_, len, first) in seq.cache.position_runs(t) {
+        let mut positions = Vec::with_capacity(ids.len());
+        for seq in batch.iter() {
+            for (_, len, first) in seq.cache.position_runs(seq.tokens.len()) {
                 positions.extend(first..first + len);
             }
-            seq.cache.reserve(t)?;
         }
-        let scale = 1.0 / (hd as f32).sqrt();
-        let mut normed = vec![0f32; rows * d];
-        for (li, (layer, hl)) in self.layers.iter().zip(&host.layers).enumerate() {
-            rms_norm(&x, &hl.attn_norm, c.rms_norm_eps, &mut normed);
-            let [mut q, mut k, v] = products(
-                [&layer.q.matrix, &layer.k.matrix, &layer.v.matrix],
-                [&hl.biases[0], &hl.biases[1], &hl.biases[2]],
-                &normed,
-                rows,
-            )?;
-            if let (Some(qn), Some(kn)) = (&hl.q_norm, &hl.k_norm) {
-                let q_in = q.clone();
-                rms_norm(&q_in, qn, c.rms_norm_eps, &mut q);
-                let k_in = k.clone();
-                rms_norm(&k_in, kn, c.rms_norm_eps, &mut k);
-            }
-            if !c.no_rope_layers.contains(&li) {
-                self.host_rope(host, &mut q, h, &positions);
-                self.host_rope(host, &mut k, hk, &positions);
-            }
-            let mut attended = Vec::with_capacity(rows * h * hd);
-            let mut at = 0;
-            for seq in batch.iter_mut() {
-                let t = seq.tokens.len();
-                seq.cache.write_rows(
-                    li,
-                    &k[at * hk * hd..(at + t) * hk * hd],
-                    &v[at * hk * hd..(at + t) * hk * hd],
-                )?;
-                // The kernel takes queries head-major: [heads, t, dim].
-                let mut qh = vec![0f32; t * h * hd];
-                for i in 0..t {
-                    for head in 0..h {
-                        qh[(head * t + i) * hd..][..hd]
-                            .copy_from_slice(&q[((at + i) * h + head) * hd..][..hd]);
-                    }
-                }
-                let (kb, vb) = seq
-                    .cache
-                    .layer_buffers(li)
-                    .ok_or_else(|| EngineError::Mlx("no KV buffers after a write".into()))?;
-                let cache = CacheBuffers {
-                    keys: read(kb)?,
-                    values: read(vb)?,
-                    kv_heads: hk,
-                    capacity: kb.shape()[2] as usize,
-                    dim: hd,
-                    visible: seq.cache.len() + t,
-                };
-                attended.extend(few_queries(&qh, h, t, cache, scale));
-                at += t;
-            }
-            let [o] = products([&layer.o.matrix], [&hl.biases[3]], &attended, rows)?;
-            add_into(&mut x, &o);
-            rms_norm(&x, &hl.mlp_norm, c.rms_norm_eps, &mut normed);
-            let [mut gate, up] = products(
-                [&layer.gate.matrix, &layer.up.matrix],
-                [&hl.biases[4], &hl.biases[5]],
-                &normed,
-                rows,
-            )?;
-            swiglu(&mut gate, &up);
-            let [down] = products([&layer.down.matrix], [&hl.biases[6]], &gate, rows)?;
-            add_into(&mut x, &down);
-        }
-        // Each sequence's last row through the final norm and the head.
-        let mut last = Vec::with_capacity(batch.len() * d);
-        let mut end = 0;
+        // Everything the pass reads, as slices and pointers: MLX is called only here, on the
+        // engine thread.
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
+                    .map(|lin| host_matrix(&lin.matrix))
+                    .into_iter()
+                    .collect::<Result<Vec<_>>>()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let head = host_matrix(self.head.as_ref().unwrap_or(&self.embed))?;
+        let mut kv = batch
+            .iter_mut()
+            .map(|seq| seq.cache.host_rows(seq.tokens.len()))
+            .collect::<Result<Vec<_>>>()?;
+        let pass = HostPass {
+            config: &self.config,
+            host,
+            layers: &layers,
+            head: &head,
+            positions: &positions,
+        };
+        // The whole pass on one of the pool's threads: the kernels' parallel loops then start
+        // from a worker and share work with the other by stealing, instead of waking the pool
+        // and sleeping on a latch from outside it a few hundred times a step.
+        let logits = rayon::scope(|_| pass.run(x, &mut kv))?;
+        drop(kv);
         for seq in batch.iter_mut() {
-            let t = seq.tokens.len();
-            seq.cache.advance(t);
-            end += t;
-            last.extend_from_slice(&x[(end - 1) * d..end * d]);
+            seq.cache.advance(seq.tokens.len());
         }
-        let mut normed = vec![0f32; last.len()];
-        rms_norm(&last, &host.final_norm, c.rms_norm_eps, &mut normed);
-        let head = self.head.as_ref().unwrap_or(&self.embed);
-        let [logits] = products([head], [&None], &normed, batch.len())?;
         let vocab = logits.len() / batch.len().max(1);
         Ok(Array::from_slice(
             &logits,
@@ -355,41 +301,126 @@ impl Model {
             }
         }
     }
+}
 
-    /// RoPE in place on `x` (`[rows, heads · head_dim]`), row r at `positions[r]`: MLX's
-    /// fallback arithmetic (angle = (position · scale) · inverse frequency, then
-    /// `x1·cos − x2·sin`, `x1·sin + x2·cos`) on pairs of halves, or of neighbours when
-    /// `rope_traditional`.
-    fn host_rope(&self, host: &HostWeights, x: &mut [f32], heads: usize, positions: &[usize]) {
-        let c = &self.config;
-        let hd = c.head_dim;
-        let half = c.rope_dims / 2;
-        let position_scale = c.rope_scaling.position_scale();
-        let mut cos = vec![0f32; half];
-        let mut sin = vec![0f32; half];
-        for (row, &p) in x.chunks_exact_mut(heads * hd).zip(positions) {
-            let position = p as f32 * position_scale;
-            for i in 0..half {
-                let theta = position * host.inv_freqs[i];
-                cos[i] = theta.cos();
-                sin[i] = theta.sin();
+/// What one host pass reads: plain slices and shared references, so that it runs on any
+/// thread.
+struct HostPass<'a> {
+    config: &'a ModelConfig,
+    host: &'a HostWeights,
+    /// Each layer's q, k, v, o, gate, up, down.
+    layers: &'a [Vec<HostMatrix<'a>>],
+    head: &'a HostMatrix<'a>,
+    positions: &'a [usize],
+}
+
+impl HostPass<'_> {
+    /// The layers and the head over the embeddings `x` (`[rows, hidden]`, sequences in
+    /// batch order, `kv[i]` holding sequence i's new tokens): the logits after each
+    /// sequence's last row, `[sequences, vocab]`.
+    fn run(&self, mut x: Vec<f32>, kv: &mut [HostKv<'_>]) -> Result<Vec<f32>> {
+        let c = self.config;
+        let (h, hk, hd, d) = (c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size);
+        let rows = self.positions.len();
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut normed = vec![0f32; rows * d];
+        for (li, (m, hl)) in self.layers.iter().zip(&self.host.layers).enumerate() {
+            rms_norm(&x, &hl.attn_norm, c.rms_norm_eps, &mut normed);
+            let [mut q, mut k, v] = products(
+                [&m[0], &m[1], &m[2]],
+                [&hl.biases[0], &hl.biases[1], &hl.biases[2]],
+                &normed,
+                rows,
+            )?;
+            if let (Some(qn), Some(kn)) = (&hl.q_norm, &hl.k_norm) {
+                let q_in = q.clone();
+                rms_norm(&q_in, qn, c.rms_norm_eps, &mut q);
+                let k_in = k.clone();
+                rms_norm(&k_in, kn, c.rms_norm_eps, &mut k);
             }
-            for head in row.chunks_exact_mut(hd) {
-                if let Some(s) = &host.input_scale {
-                    for (v, s) in head.iter_mut().zip(s) {
-                        *v *= s;
+            if !c.no_rope_layers.contains(&li) {
+                rope(c, self.host, &mut q, h, self.positions);
+                rope(c, self.host, &mut k, hk, self.positions);
+            }
+            let mut attended = Vec::with_capacity(rows * h * hd);
+            let mut at = 0;
+            for seq in kv.iter_mut() {
+                let t = seq.new_tokens();
+                let (from, to) = (at * hk * hd, (at + t) * hk * hd);
+                seq.write(li, &k[from..to], &v[from..to])?;
+                // The kernel takes queries head-major: [heads, t, dim].
+                let mut qh = vec![0f32; t * h * hd];
+                for i in 0..t {
+                    for head in 0..h {
+                        qh[(head * t + i) * hd..][..hd]
+                            .copy_from_slice(&q[((at + i) * h + head) * hd..][..hd]);
                     }
                 }
-                for i in 0..half {
-                    let (a, b) = if c.rope_traditional {
-                        (2 * i, 2 * i + 1)
-                    } else {
-                        (i, i + half)
-                    };
-                    let (x1, x2) = (head[a], head[b]);
-                    head[a] = x1 * cos[i] - x2 * sin[i];
-                    head[b] = x1 * sin[i] + x2 * cos[i];
+                let cache = seq
+                    .buffers(li)
+                    .ok_or_else(|| EngineError::Mlx(format!("no KV buffers for layer {li}")))?;
+                attended.extend(few_queries(&qh, h, t, cache, scale));
+                at += t;
+            }
+            let [o] = products([&m[3]], [&hl.biases[3]], &attended, rows)?;
+            add_into(&mut x, &o);
+            rms_norm(&x, &hl.mlp_norm, c.rms_norm_eps, &mut normed);
+            let [mut gate, up] = products(
+                [&m[4], &m[5]],
+                [&hl.biases[4], &hl.biases[5]],
+                &normed,
+                rows,
+            )?;
+            swiglu(&mut gate, &up);
+            let [down] = products([&m[6]], [&hl.biases[6]], &gate, rows)?;
+            add_into(&mut x, &down);
+        }
+        // Each sequence's last row through the final norm and the head.
+        let mut last = Vec::with_capacity(kv.len() * d);
+        let mut end = 0;
+        for seq in kv.iter() {
+            end += seq.new_tokens();
+            last.extend_from_slice(&x[(end - 1) * d..end * d]);
+        }
+        let mut normed = vec![0f32; last.len()];
+        rms_norm(&last, &self.host.final_norm, c.rms_norm_eps, &mut normed);
+        let [logits] = products([self.head], [&None], &normed, kv.len())?;
+        Ok(logits)
+    }
+}
+
+/// RoPE in place on `x` (`[rows, heads · head_dim]`), row r at `positions[r]`: MLX's
+/// fallback arithmetic (angle = (position · scale) · inverse frequency, then
+/// `x1·cos − x2·sin`, `x1·sin + x2·cos`) on pairs of halves, or of neighbours when
+/// `rope_traditional`.
+fn rope(c: &ModelConfig, host: &HostWeights, x: &mut [f32], heads: usize, positions: &[usize]) {
+    let hd = c.head_dim;
+    let half = c.rope_dims / 2;
+    let position_scale = c.rope_scaling.position_scale();
+    let mut cos = vec![0f32; half];
+    let mut sin = vec![0f32; half];
+    for (row, &p) in x.chunks_exact_mut(heads * hd).zip(positions) {
+        let position = p as f32 * position_scale;
+        for i in 0..half {
+            let theta = position * host.inv_freqs[i];
+            cos[i] = theta.cos();
+            sin[i] = theta.sin();
+        }
+        for head in row.chunks_exact_mut(hd) {
+            if let Some(s) = &host.input_scale {
+                for (v, s) in head.iter_mut().zip(s) {
+                    *v *= s;
                 }
+            }
+            for i in 0..half {
+                let (a, b) = if c.rope_traditional {
+                    (2 * i, 2 * i + 1)
+                } else {
+                    (i, i + half)
+                };
+                let (x1, x2) = (head[a], head[b]);
+                head[a] = x1 * cos[i] - x2 * sin[i];
+                head[b] = x1 * sin[i] + x2 * cos[i];
             }
         }
     }
