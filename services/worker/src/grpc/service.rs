@@ -577,6 +577,15 @@ impl Worker for WorkerService {
                     }
                     JobEvent::Done { result, queued } => {
                         if let Ok(g) = &result {
+                            tracing::debug!(
+                                request_id,
+                                prompt_tokens = g.prompt_tokens,
+                                cached_tokens = g.cached_tokens,
+                                queue_ms = queued.as_secs_f64() * 1e3,
+                                prefill_ms = g.timings.prefill.as_secs_f64() * 1e3,
+                                ttft_ms = g.timings.time_to_first_token.as_secs_f64() * 1e3,
+                                "generation done"
+                            );
                             span.record("cached_tokens", g.cached_tokens);
                             span.record("completion_tokens", g.tokens.len());
                             span.record("finish_reason", format!("{:?}", g.finish));

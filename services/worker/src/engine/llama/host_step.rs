@@ -28,7 +28,7 @@ pub const HOST_MAX_ROWS: usize = super::super::weights::PACKED_MAX_ROWS;
 
 /// New tokens per sequence up to which a pass runs here: attention reads each cached position
 /// once per query row, which for longer chunks loses to BLAS products over the cache.
-pub const HOST_MAX_QUERIES: usize = 4;
+pub const HOST_MAX_QUERIES: usize = 16;
 
 /// What a host pass needs beyond the model's matrices, in f32 slices: norms, biases, RoPE's
 /// inverse frequencies.
