@@ -11,7 +11,12 @@ use strata_worker::engine::DtypePolicy;
 use strata_worker::engine::llama::SeqChunk;
 use strata_worker::engine::loader;
 
+/// `STRATA_BENCH_MODEL` (a GGUF file or model folder) in place of SmolLM2, and
+/// `STRATA_BENCH_PREFIX` tokens in place of 4096.
 fn model_path() -> PathBuf {
+    if let Some(path) = std::env::var_os("STRATA_BENCH_MODEL") {
+        return PathBuf::from(path);
+    }
     let cache = std::env::var_os("STRATA_CACHE")
         .map(PathBuf::from)
         .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/strata")))
@@ -35,7 +40,13 @@ fn main() {
         .unwrap_or(15);
     let loaded = loader::open(&model_path(), DtypePolicy::F32, 256).expect("SmolLM2 loads");
     let model = &loaded.model;
-    let prompt: Vec<u32> = (0..4096u32).map(|i| 100 + (i * 7919) % 40000).collect();
+    let prefix: usize = std::env::var("STRATA_BENCH_PREFIX")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4096);
+    let prompt: Vec<u32> = (0..prefix as u32)
+        .map(|i| 100 + (i * 7919) % 40000)
+        .collect();
     let mut cache = model.new_cache(256);
     for chunk in prompt.chunks(256) {
         let mut batch = [SeqChunk {
@@ -48,7 +59,7 @@ fn main() {
             .eval()
             .expect("eval");
     }
-    let bytes = cache.export(0, 4096).expect("export");
+    let bytes = cache.export(0, prefix).expect("export");
     let mut short = model.new_cache(256);
     let mut batch = [SeqChunk {
         tokens: &prompt[..64],
@@ -65,7 +76,7 @@ fn main() {
     for round in 0..rounds {
         let t = Instant::now();
         let mut c = model.new_cache(256);
-        c.import_all(&[(&bytes, 4096)]).expect("import");
+        c.import_all(&[(&bytes, prefix)]).expect("import");
         imports.push(t.elapsed());
         for (n, times) in CHUNKS.iter().zip(chunks.iter_mut()) {
             let question: Vec<u32> = (0..*n as u32).map(|i| 500 + i + round).collect();
@@ -80,7 +91,7 @@ fn main() {
                 .eval()
                 .expect("eval");
             times.push(t.elapsed());
-            c.truncate(4096);
+            c.truncate(prefix);
         }
         let t = Instant::now();
         let mut batch = [SeqChunk {
@@ -108,13 +119,16 @@ fn main() {
     let ms = |v: Vec<Duration>| format!("{:.1} ms", median(v).as_secs_f64() * 1e3);
     let heads: Vec<String> = CHUNKS.iter().map(|n| format!("{n}-token chunk")).collect();
     println!(
-        "| 4K prefix, median of {rounds} | import | {} | decode step | decode step at 64 |",
+        "| {prefix}-token prefix, median of {rounds} | import | {} | decode step | decode step at 64 |",
         heads.join(" | ")
     );
     println!("|---|---|{}---|---|", "---|".repeat(CHUNKS.len()));
     let chunk_cells: Vec<String> = chunks.into_iter().map(ms).collect();
     println!(
-        "| SmolLM2-135M f32 | {} | {} | {} | {} |",
+        "| {} | {} | {} | {} | {} |",
+        model_path()
+            .file_name()
+            .map_or(String::new(), |n| n.to_string_lossy().into_owned()),
         ms(imports),
         chunk_cells.join(" | "),
         ms(steps),

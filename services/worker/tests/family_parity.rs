@@ -163,7 +163,7 @@ fn check_family(family: &str, arch: &str) {
     }
 }
 
-/// Decode steps (one token, and three at once) computed by the host kernels against the
+/// Decode steps (one token, and three or twenty at once) computed by the host kernels against the
 /// same steps through MLX's operations, on the same cache contents: logits within the
 /// tolerance above, at every step.
 fn check_host_steps(family: &str) {
@@ -201,9 +201,14 @@ fn check_host_steps(family: &str) {
                 worst <= RELATIVE_TOLERANCE * largest,
                 "{family} case {i} step {n}: host and MLX logits differ by {worst}"
             );
-            // Every other step feeds three tokens at once (a short chunk after a cache hit).
+            // Steps of three and of twenty tokens at once too (short chunks after a cache
+            // hit, through the tiled attention kernels).
             let t = argmax(&theirs) as u32;
-            next = if n % 2 == 0 { vec![t, t, t] } else { vec![t] };
+            next = match n % 3 {
+                0 => vec![t; 3],
+                1 => vec![t; 20],
+                _ => vec![t],
+            };
         }
     }
 }

@@ -22,13 +22,18 @@ use super::super::weights::{Linear, Matrix};
 use super::super::{EngineError, Result};
 use super::{Model, SeqChunk, read};
 
-/// Rows of a batch (all sequences' new tokens) up to which a pass runs here: the few-rows
-/// product kernels' range.
-pub const HOST_MAX_ROWS: usize = super::super::weights::PACKED_MAX_ROWS;
+/// Rows of a batch (all sequences' new tokens) up to which a pass runs here. Products stay
+/// on the few-rows kernels up to there: called from the pool, OpenBLAS's own threads fight
+/// rayon's for the cores (measured, Qwen2.5-1.5B after a 1K prefix, 25 new tokens: 0.88 s on
+/// the codes kernel, 1.72 s through BLAS on dequantised panels, 1.78 s on MLX's path;
+/// `cargo bench -p strata-worker --bench warm_hit`). Longer chunks are prefill, where BLAS
+/// products amortise their packing and MLX's graph its dispatch.
+pub const HOST_MAX_ROWS: usize = 64;
 
-/// New tokens per sequence up to which a pass runs here: attention reads each cached position
-/// once per query row, which for longer chunks loses to BLAS products over the cache.
-pub const HOST_MAX_QUERIES: usize = 16;
+/// Attention scores (new tokens x query heads x positions seen) up to which a pass runs here:
+/// they are all held at once, twice (scores and weights). Longer chunks at long contexts go to
+/// MLX's path, which splits them (`cpu_attention`).
+const HOST_MAX_SCORES: usize = 8 << 20;
 
 /// What a host pass needs beyond the model's matrices, in f32 slices: norms, biases, RoPE's
 /// inverse frequencies.
@@ -217,12 +222,15 @@ fn swiglu(gate: &mut [f32], up: &[f32]) {
 
 impl Model {
     /// Whether `host_forward` computes this batch: a CPU computing in f32 with host weights,
-    /// few rows, few new tokens per sequence.
+    /// a few rows, scores within bounds.
     pub(super) fn host_step_applies(&self, batch: &[SeqChunk<'_>]) -> bool {
         let rows: usize = batch.iter().map(|s| s.tokens.len()).sum();
         self.host.is_some()
             && rows <= HOST_MAX_ROWS
-            && batch.iter().all(|s| s.tokens.len() <= HOST_MAX_QUERIES)
+            && batch.iter().all(|s| {
+                let t = s.tokens.len();
+                t * self.config.num_heads * (s.cache.len() + t) <= HOST_MAX_SCORES
+            })
     }
 
     /// `forward` (logits after each sequence's last new token, `[batch, vocab]`) computed by
