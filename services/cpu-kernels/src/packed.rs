@@ -603,7 +603,35 @@ impl Part<'_> {
     fn row_bytes(&self) -> usize {
         if self.nibbles { self.k / 2 } else { self.k }
     }
+
+    /// Weight rows `j..j + c` of this part.
+    fn sub(&self, j: usize, c: usize) -> Part<'_> {
+        let (bytes, groups) = (self.row_bytes(), self.k / self.group);
+        let params = &self.params;
+        Part {
+            codes: &self.codes[j * bytes..(j + c) * bytes],
+            nibbles: self.nibbles,
+            params: ParamsRef {
+                s16: params.s16.get(j * groups..(j + c) * groups).unwrap_or(&[]),
+                b16: params.b16.get(j * groups..(j + c) * groups).unwrap_or(&[]),
+                s32: params.s32.get(j * groups..(j + c) * groups).unwrap_or(&[]),
+                b32: params.b32.get(j * groups..(j + c) * groups).unwrap_or(&[]),
+            },
+            k: self.k,
+            group: self.group,
+        }
+    }
 }
+
+/// Rows of `x` from which a task's weight rows are dequantised once, a few at a time into a
+/// buffer that stays in L1, and the tiles multiply that: below, each tile of 4 rows widens
+/// and scales the codes itself, which for 13-48 rows (a short chunk after a cache hit) meant
+/// dequantising every weight 4-12 times.
+const DEQUANTISE_FROM_ROWS: usize = 8;
+
+/// Weight rows dequantised at a time (4 rows of up to 8960 floats: 140 KiB at most, in L2;
+/// 24 KiB for a 1536-wide matrix).
+const DEQUANTISED_ROWS: usize = 4;
 
 /// `out[j * rows + r] = x[r] · w[j]` for the weight rows of `part`.
 fn columns(x: &[f32], rows: usize, part: &Part<'_>, out: &mut [f32]) {
@@ -679,6 +707,11 @@ macro_rules! packed_kernel {
                 out: &mut [f32],
             ) {
                 let cols = part.codes.len() / part.row_bytes();
+                if rows >= super::DEQUANTISE_FROM_ROWS {
+                    // SAFETY: the caller's features.
+                    unsafe { dequantised_columns::<NIB>(x, rows, part, out) };
+                    return;
+                }
                 let mut j = 0;
                 while j < cols {
                     let c = (cols - j).min(2);
@@ -702,6 +735,117 @@ macro_rules! packed_kernel {
                         r += t;
                     }
                     j += c;
+                }
+            }
+
+            /// `columns` for many rows of `x`: a few weight rows at a time dequantised into
+            /// a buffer (as `tile` computes each weight), then tiles over every row of `x`
+            /// reading the buffer, with `tile`'s order of multiply-adds: each output is bit
+            /// for bit what `tile` gives.
+            #[target_feature(enable = $feature)]
+            unsafe fn dequantised_columns<const NIB: bool>(
+                x: &[f32],
+                rows: usize,
+                part: &Part<'_>,
+                out: &mut [f32],
+            ) {
+                let k = part.k;
+                let cols = part.codes.len() / part.row_bytes();
+                let mut buffer = vec![0f32; super::DEQUANTISED_ROWS * k];
+                let mut j0 = 0;
+                while j0 < cols {
+                    let n = super::DEQUANTISED_ROWS.min(cols - j0);
+                    super::dequantize_part(&part.sub(j0, n), &mut buffer[..n * k]);
+                    let mut j = 0;
+                    while j < n {
+                        let c = (n - j).min(2);
+                        let w = &buffer[j * k..(j + c) * k];
+                        let mut r = 0;
+                        while r < rows {
+                            let t = (rows - r).min(4);
+                            let o = &mut out[(j0 + j) * rows..(j0 + j + c) * rows];
+                            // SAFETY (of each call): `tile_f32` asserts that its rows,
+                            // columns and outputs exist.
+                            unsafe {
+                                match (t, c) {
+                                    (4, 2) => tile_f32::<4, 2, NIB>(x, r, w, k, rows, o),
+                                    (4, _) => tile_f32::<4, 1, NIB>(x, r, w, k, rows, o),
+                                    (3, 2) => tile_f32::<3, 2, NIB>(x, r, w, k, rows, o),
+                                    (3, _) => tile_f32::<3, 1, NIB>(x, r, w, k, rows, o),
+                                    (2, 2) => tile_f32::<2, 2, NIB>(x, r, w, k, rows, o),
+                                    (2, _) => tile_f32::<2, 1, NIB>(x, r, w, k, rows, o),
+                                    (_, 2) => tile_f32::<1, 2, NIB>(x, r, w, k, rows, o),
+                                    _ => tile_f32::<1, 1, NIB>(x, r, w, k, rows, o),
+                                }
+                            }
+                            r += t;
+                        }
+                        j += c;
+                    }
+                    j0 += n;
+                }
+            }
+
+            /// `tile` on dequantised weights `w` (`[C, k]`): the same loads of `x` and the
+            /// same multiply-adds in the same order.
+            #[inline]
+            #[target_feature(enable = $feature)]
+            unsafe fn tile_f32<const R: usize, const C: usize, const NIB: bool>(
+                x: &[f32],
+                r0: usize,
+                w: &[f32],
+                k: usize,
+                rows: usize,
+                out: &mut [f32],
+            ) {
+                assert!((r0 + R) * k <= x.len() && C * k <= w.len());
+                assert!((C - 1) * rows + r0 + R <= out.len());
+                assert!(k.is_multiple_of(if NIB { 32 } else { LANES }));
+                let (xp, wp) = (x.as_ptr(), w.as_ptr());
+                let mut acc: [[$vector; C]; R] = [[$zero(); C]; R];
+                let mut at = 0;
+                while NIB && at < k {
+                    for u in (0..16).step_by(LANES) {
+                        // SAFETY: at + 32 <= k inside every row (asserted above).
+                        unsafe {
+                            let mut low: [$vector; C] = [$zero(); C];
+                            let mut high: [$vector; C] = [$zero(); C];
+                            for c in 0..C {
+                                low[c] = $load(wp.add(c * k + at + u));
+                                high[c] = $load(wp.add(c * k + at + 16 + u));
+                            }
+                            for (i, row) in acc.iter_mut().enumerate() {
+                                let xl = $load(xp.add((r0 + i) * k + at + u));
+                                let xh = $load(xp.add((r0 + i) * k + at + 16 + u));
+                                for c in 0..C {
+                                    row[c] = $fma(xl, low[c], row[c]);
+                                    row[c] = $fma(xh, high[c], row[c]);
+                                }
+                            }
+                        }
+                    }
+                    at += 32;
+                }
+                while !NIB && at < k {
+                    // SAFETY: at + LANES <= k inside every row (asserted above).
+                    unsafe {
+                        let mut wv: [$vector; C] = [$zero(); C];
+                        for c in 0..C {
+                            wv[c] = $load(wp.add(c * k + at));
+                        }
+                        for (i, row) in acc.iter_mut().enumerate() {
+                            let xv = $load(xp.add((r0 + i) * k + at));
+                            for (a, wc) in row.iter_mut().zip(&wv) {
+                                *a = $fma(xv, *wc, *a);
+                            }
+                        }
+                    }
+                    at += LANES;
+                }
+                for (i, row) in acc.iter().enumerate() {
+                    for (c, a) in row.iter().enumerate() {
+                        out[c * rows + r0 + i] = $sum(*a);
+                    }
                 }
             }
 
@@ -892,6 +1036,35 @@ mod tests {
             PackedMatrix::from_mlx_words(&pack(&codes, bits), bits, &scales, &biases, n, k, group)
                 .unwrap();
         (m, codes)
+    }
+
+    /// Many rows go through weights dequantised into a buffer, a few through tiles that
+    /// dequantise in registers: each row's output is the same bits either way (so a sequence
+    /// gets the same logits whatever it is batched with).
+    #[test]
+    fn many_rows_give_each_row_the_bits_it_gets_alone() {
+        for &(n, k, bits, group) in &[
+            (37, 576, 4, 32),
+            (19, 128, 8, 64),
+            (9, 96, 6, 32),
+            (11, 64, 4, 16),
+        ] {
+            let (m, _) = matrix(n, k, bits, group);
+            let rows = 13;
+            let x = values(rows * k, 7);
+            let together = m.x_wt(&x, rows);
+            for r in 0..rows {
+                let alone = m.x_wt(&x[r * k..(r + 1) * k], 1);
+                assert_eq!(
+                    together[r * n..(r + 1) * n]
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect::<Vec<_>>(),
+                    alone.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "{bits} bits, groups of {group}, row {r}"
+                );
+            }
+        }
     }
 
     #[test]
