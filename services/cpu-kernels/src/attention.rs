@@ -431,16 +431,7 @@ mod tiled {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn values(len: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed;
-        (0..len)
-            .map(|_| {
-                s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                (s >> 8) as f32 / (1u32 << 24) as f32 - 0.5
-            })
-            .collect()
-    }
+    use crate::test_values::values;
 
     fn close(got: &[f32], want: &[f64], k: usize, what: &str) {
         for (i, (g, e)) in got.iter().zip(want).enumerate() {

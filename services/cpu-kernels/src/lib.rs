@@ -9,3 +9,5 @@ pub mod blas;
 pub mod matmul;
 pub mod packed;
 pub mod softmax;
+#[cfg(test)]
+mod test_values;

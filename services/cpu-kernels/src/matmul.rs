@@ -196,6 +196,7 @@ tiled_kernel!(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_values::values;
 
     fn naive(x: &[f32], rows: usize, w: &[f32], n: usize, k: usize) -> Vec<f32> {
         let mut out = vec![0f32; rows * n];
@@ -207,16 +208,6 @@ mod tests {
             }
         }
         out
-    }
-
-    fn values(len: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed;
-        (0..len)
-            .map(|_| {
-                s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                (s >> 8) as f32 / (1u32 << 24) as f32 - 0.5
-            })
-            .collect()
     }
 
     #[test]

@@ -997,16 +997,7 @@ packed_kernel!(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn values(len: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed;
-        (0..len)
-            .map(|_| {
-                s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                (s >> 8) as f32 / (1u32 << 24) as f32 - 0.5
-            })
-            .collect()
-    }
+    use crate::test_values::values;
 
     /// MLX's packing of `codes` (`bits` each, low bits first, values straddling words).
     fn pack(codes: &[u8], bits: usize) -> Vec<u32> {
