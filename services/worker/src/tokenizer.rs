@@ -1,6 +1,7 @@
 //! Text <-> token ids with the `tokenizers` crate, built either from a GGUF file's metadata
-//! (byte-level BPE vocabulary and merges plus the *name* of the pre-tokenizer rule) or from a
-//! Hugging Face `tokenizer.json`. Also the incremental detokeniser used while streaming.
+//! (byte-level BPE vocabulary and merges plus the *name* of the pre-tokenizer rule, or a
+//! SentencePiece vocabulary with scores) or from a Hugging Face `tokenizer.json`. Also the
+//! incremental detokeniser used while streaming.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -16,8 +17,13 @@ use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
-    #[error("unsupported tokenizer model {0:?} (supported: gpt2 byte-level BPE)")]
+    #[error(
+        "unsupported tokenizer model {0:?} (supported: gpt2 byte-level BPE, llama \
+         SentencePiece BPE)"
+    )]
     UnsupportedModel(String),
+    #[error("SentencePiece vocabulary of {tokens} tokens with {scores} scores")]
+    BadScores { tokens: usize, scores: usize },
     #[error(
         "unsupported pre-tokenizer {0:?} (supported: smollm, qwen2, gpt2, default); \
          the GGUF names the rule and we must apply exactly that one"
@@ -38,9 +44,14 @@ fn lib_err(e: impl std::fmt::Display) -> TokenizerError {
     TokenizerError::Library(e.to_string())
 }
 
-/// GGUF's `tokenizer.ggml.token_type` values that mark a token as special (matched whole).
+/// GGUF's `tokenizer.ggml.token_type` values: ordinary pieces, and those that mark a token as
+/// special (matched whole).
+const TOKEN_TYPE_NORMAL: i32 = 1;
 const TOKEN_TYPE_CONTROL: i32 = 3;
 const TOKEN_TYPE_USER_DEFINED: i32 = 4;
+
+/// SentencePiece's whitespace mark.
+const SPM_SPACE: &str = "\u{2581}";
 
 /// What a GGUF file says about its tokenizer.
 #[derive(Debug, Clone, Default)]
@@ -55,6 +66,61 @@ pub struct GgufTokenizerSpec {
     pub bos: Option<u32>,
     pub eos: Option<u32>,
     pub add_bos: bool,
+    /// SentencePiece ("llama"): each piece's score (merge priority), whether a space goes
+    /// before the text (and after each special token), the unknown token.
+    pub scores: Vec<f32>,
+    pub add_space_prefix: bool,
+    pub unknown: Option<u32>,
+}
+
+/// Each token of a GGUF vocabulary with its id (its place in the list).
+fn vocab_of(spec: &GgufTokenizerSpec) -> Vocab {
+    spec.tokens
+        .iter()
+        .enumerate()
+        .map(|(id, t)| (t.clone(), id as u32))
+        .collect()
+}
+
+/// SentencePiece BPE as merges: a pair (left, right) merges with the priority of the piece it
+/// makes, so ranking every split of every piece by that piece's score reproduces
+/// SentencePiece's "merge the best-scoring adjacent pair" rule (as Hugging Face converts
+/// these vocabularies). Why by hand: the `tokenizers` crate takes merges, not scores, and no
+/// crate converts one to the other.
+fn merges_from_scores(spec: &GgufTokenizerSpec) -> Vec<(String, String)> {
+    let ids: HashMap<&str, usize> = spec
+        .tokens
+        .iter()
+        .enumerate()
+        .map(|(id, t)| (t.as_str(), id))
+        .collect();
+    let normal = |id: usize| {
+        spec.token_types
+            .get(id)
+            .is_none_or(|&t| t == TOKEN_TYPE_NORMAL)
+    };
+    // (score of the merged piece, its id, the left part's id): best score first, then the
+    // order SentencePiece lists pieces in.
+    let mut ranked: Vec<(f32, usize, usize, &str, &str)> = Vec::new();
+    for (id, piece) in spec.tokens.iter().enumerate() {
+        if !normal(id) {
+            continue;
+        }
+        for (cut, _) in piece.char_indices().skip(1) {
+            let (left, right) = piece.split_at(cut);
+            if let (Some(&l), Some(&r)) = (ids.get(left), ids.get(right))
+                && normal(l)
+                && normal(r)
+            {
+                ranked.push((spec.scores[id], id, l, left, right));
+            }
+        }
+    }
+    ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+    ranked
+        .into_iter()
+        .map(|(_, _, _, l, r)| (l.to_string(), r.to_string()))
+        .collect()
 }
 
 /// Qwen2's split rule (single digits, case-insensitive contractions, newlines kept apart).
@@ -71,6 +137,9 @@ pub struct Tokenizer {
 impl Tokenizer {
     /// Builds the tokenizer a GGUF file describes.
     pub fn from_gguf(spec: &GgufTokenizerSpec) -> Result<Self, TokenizerError> {
+        if spec.model == "llama" {
+            return Self::sentencepiece(spec);
+        }
         if spec.model != "gpt2" {
             return Err(TokenizerError::UnsupportedModel(spec.model.clone()));
         }
@@ -98,12 +167,6 @@ impl Tokenizer {
             other => return Err(TokenizerError::UnsupportedPreTokenizer(other.to_string())),
         };
 
-        let vocab: Vocab = spec
-            .tokens
-            .iter()
-            .enumerate()
-            .map(|(id, t)| (t.clone(), id as u32))
-            .collect();
         let merges = spec
             .merges
             .iter()
@@ -114,7 +177,7 @@ impl Tokenizer {
             })
             .collect::<Result<Vec<_>, _>>()?;
         let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
+            .vocab_and_merges(vocab_of(spec), merges)
             .build()
             .map_err(lib_err)?;
         let mut inner = tokenizers::Tokenizer::new(bpe);
@@ -123,6 +186,58 @@ impl Tokenizer {
         if nfc {
             inner.with_normalizer(Some(NFC));
         }
+        Ok(Self::with_specials(inner, spec))
+    }
+
+    /// A SentencePiece BPE vocabulary (GGUF "llama": Llama 1-2, Mistral, Gemma, Phi-3):
+    /// spaces become `▁` (one before the text, and after each special token, when
+    /// `add_space_prefix`, as llama.cpp does), pieces merge by score, and characters without
+    /// a piece fall back to their bytes' `<0xXX>` tokens.
+    fn sentencepiece(spec: &GgufTokenizerSpec) -> Result<Self, TokenizerError> {
+        use tokenizers::decoders::byte_fallback::ByteFallback;
+        use tokenizers::decoders::fuse::Fuse;
+        use tokenizers::decoders::sequence::Sequence as DecoderSequence;
+        use tokenizers::decoders::strip::Strip;
+        use tokenizers::normalizers::{Prepend, Replace, Sequence as NormalizerSequence};
+        if spec.scores.len() != spec.tokens.len() {
+            return Err(TokenizerError::BadScores {
+                tokens: spec.tokens.len(),
+                scores: spec.scores.len(),
+            });
+        }
+        let mut bpe = BPE::builder()
+            .vocab_and_merges(vocab_of(spec), merges_from_scores(spec))
+            .byte_fallback(true)
+            .fuse_unk(true);
+        let unknown = spec
+            .unknown
+            .and_then(|id| spec.tokens.get(id as usize))
+            .or_else(|| spec.tokens.iter().find(|t| *t == "<unk>"));
+        if let Some(unk) = unknown {
+            bpe = bpe.unk_token(unk.clone());
+        }
+        let mut inner = tokenizers::Tokenizer::new(bpe.build().map_err(lib_err)?);
+        let replace = Replace::new(" ", SPM_SPACE).map_err(lib_err)?;
+        let mut decoders = vec![
+            Replace::new(SPM_SPACE, " ").map_err(lib_err)?.into(),
+            ByteFallback::new().into(),
+            Fuse::new().into(),
+        ];
+        if spec.add_space_prefix {
+            inner.with_normalizer(Some(NormalizerSequence::new(vec![
+                Prepend::new(SPM_SPACE.to_string()).into(),
+                replace.into(),
+            ])));
+            decoders.push(Strip::new(' ', 1, 0).into());
+        } else {
+            inner.with_normalizer(Some(replace));
+        }
+        inner.with_decoder(Some(DecoderSequence::new(decoders)));
+        Ok(Self::with_specials(inner, spec))
+    }
+
+    /// `inner` with the control and user-defined tokens of `spec` matched whole.
+    fn with_specials(mut inner: tokenizers::Tokenizer, spec: &GgufTokenizerSpec) -> Self {
         let mut specials = HashMap::new();
         let added: Vec<AddedToken> = spec
             .tokens
@@ -136,13 +251,13 @@ impl Tokenizer {
             })
             .collect();
         inner.add_special_tokens(&added);
-        Ok(Self {
+        Self {
             inner,
             bos: spec.bos,
             eos: spec.eos,
             add_bos: spec.add_bos,
             specials,
-        })
+        }
     }
 
     /// Loads a Hugging Face `tokenizer.json`; `bos`/`eos` come from `tokenizer_config.json`.
