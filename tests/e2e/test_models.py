@@ -269,3 +269,48 @@ def test_a_gguf_of_k_quants_and_every_other_block_type_is_served(bin_dir, tmp_pa
             assert cached > 0, case["input_ids"]
     log = (tmp_path / "strata.log").read_text(errors="replace")
     assert "expanded to f32 at load" in log and "Q4_K" in log
+
+
+FAMILIES_DIR = (pathlib.Path(__file__).resolve().parents[2]
+                / "services/worker/tests/fixtures/families")
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe", "ministral3", "gemma3_gguf"])
+def test_new_families_are_served_and_cached_across_restarts(bin_dir, tmp_path, family):
+    """The random-weight fixtures of the families added in round 2, served by the real
+    cluster: Gemma 3 (five windowed layers of 16 tokens to each global one; also as llama.cpp
+    converts it to GGUF), Qwen3-MoE (2 of 8 experts per token), Ministral 3 (YaRN, query
+    scaling past 32 positions). mlx-lm's greedy tokens for prompts of 7, 33 and 130 tokens,
+    the same answer again from the cache (L0/L1), and after a restart of every process from
+    the disk tier (L2)."""
+    reference_family = family.removesuffix("_gguf")
+    reference = json.loads((FAMILIES_DIR / "reference.json").read_text())
+    reference = reference["families"][reference_family]
+    path = FAMILIES_DIR / family
+    if family.endswith("_gguf"):
+        path = path / f"{reference_family}.gguf"
+    extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+
+    def ask(client, case):
+        r = client.completions.create(model=family, prompt=case["input_ids"], temperature=0,
+                                      max_tokens=len(case["greedy_ids"]), logprobs=1,
+                                      extra_body=extra)
+        tokens = [int(t.removeprefix("token_id:")) for t in r.choices[0].logprobs.tokens]
+        return tokens, r.usage.prompt_tokens_details.cached_tokens
+
+    port = pick_port()
+    config = one_model_config(tmp_path, port, family, path)
+    for restart in range(2):
+        with config_cluster(bin_dir, tmp_path, port, config) as c:
+            client = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0)
+            for case in reference["cases"]:
+                # Margins of 1.5e-3 and up, against logit differences of ~1e-5.
+                assert min(case["greedy_margins"]) > 0.001
+                tokens, cached = ask(client, case)
+                assert tokens == case["greedy_ids"], (restart, len(case["input_ids"]))
+                if restart == 0:
+                    tokens, cached = ask(client, case)
+                    assert tokens == case["greedy_ids"]
+                # Everything but the last prompt token, from the cache (after the restart:
+                # from the disk tier, the process that stored it gone).
+                assert cached == len(case["input_ids"]) - 1, (restart, cached)

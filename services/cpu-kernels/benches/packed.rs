@@ -7,16 +7,7 @@ use std::time::Instant;
 
 use strata_cpu_kernels::matmul::x_wt;
 use strata_cpu_kernels::packed::PackedMatrix;
-
-fn values(len: usize, seed: u32) -> Vec<f32> {
-    let mut s = seed;
-    (0..len)
-        .map(|_| {
-            s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-            (s >> 8) as f32 / (1u32 << 24) as f32 - 0.5
-        })
-        .collect()
-}
+use strata_cpu_kernels::test_values::values;
 
 fn median_ms(f: &dyn Fn()) -> f64 {
     f();

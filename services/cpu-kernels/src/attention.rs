@@ -24,6 +24,21 @@ pub struct CacheBuffers<'a> {
     pub capacity: usize,
     pub dim: usize,
     pub visible: usize,
+    /// A sliding-window layer's window: each query sees its last `window` positions, its own
+    /// included.
+    pub window: Option<usize>,
+}
+
+impl<'a> CacheBuffers<'a> {
+    /// The same buffers from position `skip` on (every head's rows start `skip` later).
+    fn skipping(self, skip: usize) -> Self {
+        Self {
+            keys: &self.keys[skip * self.dim..],
+            values: &self.values[skip * self.dim..],
+            visible: self.visible - skip,
+            ..self
+        }
+    }
 }
 
 /// Causal attention of `t` new queries (`q`: `[heads, t, dim]`, row-major, RoPE applied) over
@@ -42,11 +57,17 @@ pub fn few_queries(
     kv: CacheBuffers<'_>,
     scale: f32,
 ) -> Vec<f32> {
+    // Positions before the first query's window are seen by no query: left out.
+    let kv = match kv.window {
+        Some(w) if kv.visible + 1 > t + w => kv.skipping(kv.visible + 1 - t - w),
+        _ => kv,
+    };
     let CacheBuffers {
         kv_heads,
         capacity,
         dim,
         visible,
+        window,
         ..
     } = kv;
     let group = heads / kv_heads;
@@ -73,7 +94,7 @@ pub fn few_queries(
         scores(qh, rows, keys, dim, out);
     });
     // Softmax of each query row over the positions it sees: row g * t + i is query i, which
-    // sees all but the last t - 1 - i positions.
+    // sees all but the last t - 1 - i positions (and, in a window, only its last `w`).
     let mut weights = vec![0f32; kv_heads * rows * visible];
     weights
         .par_chunks_mut(visible)
@@ -91,7 +112,8 @@ pub fn few_queries(
                 let take = len.min(seen.saturating_sub(from));
                 row.extend(part[..take].iter().map(|x| x * scale));
             }
-            softmax_row(&row, &mut out[..seen]);
+            let first = window.map_or(0, |w| seen.saturating_sub(w));
+            softmax_row(&row[first..], &mut out[first..seen]);
         });
     // weights · V by position chunks, then the chunks' partial sums added in order.
     let partials: Vec<Vec<f32>> = (0..kv_heads * chunks)

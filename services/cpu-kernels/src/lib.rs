@@ -9,5 +9,6 @@ pub mod blas;
 pub mod matmul;
 pub mod packed;
 pub mod softmax;
-#[cfg(test)]
-mod test_values;
+/// Pseudo-random inputs shared by this crate's tests and the benches (here and the worker's).
+#[doc(hidden)]
+pub mod test_values;

@@ -12,17 +12,8 @@ use std::time::Instant;
 use mlx_rs::Array;
 use strata_cpu_kernels::matmul::{MAX_ROWS, x_wt};
 use strata_cpu_kernels::packed::PackedMatrix;
+use strata_cpu_kernels::test_values::values;
 use strata_worker::engine::weights::PACKED_MAX_ROWS;
-
-fn values(len: usize, seed: u32) -> Vec<f32> {
-    let mut s = seed;
-    (0..len)
-        .map(|_| {
-            s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-            (s >> 8) as f32 / (1u32 << 24) as f32 - 0.5
-        })
-        .collect()
-}
 
 fn median_ms(f: &dyn Fn()) -> f64 {
     f();

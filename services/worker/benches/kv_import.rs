@@ -15,6 +15,7 @@ const LAYOUT: KvLayout = KvLayout {
     kv_heads: 3,
     head_dim: 64,
     dtype: Dtype::Float32,
+    window: None,
 };
 const BLOCK: usize = 256;
 

@@ -19,6 +19,22 @@ pub enum Architecture {
     Phi3,
     /// SmolLM3: Llama whose `no_rope_layers` run attention without positions (NoPE).
     SmolLm3,
+    /// Gemma 3 (text): sliding-window layers between global ones, each with its own RoPE
+    /// base; q/k norms; norms stored as offsets from 1, and a second norm on the output of
+    /// attention and of the MLP; a GELU (tanh) MLP; the embedding scaled by sqrt(hidden).
+    Gemma3,
+    /// Ministral 3 (the text decoder of Mistral's 2512 models): a Llama with YaRN RoPE and
+    /// queries scaled up with the position past the original context (Llama 4's attention
+    /// temperature).
+    Ministral3,
+    /// Qwen3 mixture-of-experts (Qwen3-30B-A3B, 235B-A22B): Qwen3's attention, and in place
+    /// of the MLP a router choosing `num_experts_per_tok` of `num_experts` SwiGLU experts per
+    /// token, their outputs weighted by the router's (renormalised) probabilities.
+    Qwen3Moe,
+    /// Qwen1.5-MoE / Qwen2-MoE: Qwen2's attention (q/k/v biases); every layer routes to
+    /// `num_experts_per_tok` experts (probabilities not renormalised) and adds a shared
+    /// expert gated by a sigmoid.
+    Qwen2Moe,
 }
 
 impl Architecture {
@@ -30,8 +46,13 @@ impl Architecture {
             "qwen3" | "Qwen3ForCausalLM" => Ok(Self::Qwen3),
             "phi3" | "Phi3ForCausalLM" => Ok(Self::Phi3),
             "smollm3" | "SmolLM3ForCausalLM" => Ok(Self::SmolLm3),
+            "gemma3_text" | "Gemma3ForCausalLM" => Ok(Self::Gemma3),
+            "ministral3" | "Ministral3ForCausalLM" => Ok(Self::Ministral3),
+            "qwen3_moe" | "Qwen3MoeForCausalLM" => Ok(Self::Qwen3Moe),
+            "qwen2_moe" | "Qwen2MoeForCausalLM" => Ok(Self::Qwen2Moe),
             other => Err(EngineError::UnknownArchitecture(format!(
-                "{other} (supported: llama, mistral, qwen2, qwen3, phi3, smollm3)"
+                "{other} (supported: llama, mistral, qwen2, qwen3, phi3, smollm3, gemma3_text, \
+                 ministral3, qwen3_moe, qwen2_moe)"
             ))),
         }
     }
@@ -44,12 +65,65 @@ impl Architecture {
             Self::Qwen3 => "qwen3",
             Self::Phi3 => "phi3",
             Self::SmolLm3 => "smollm3",
+            Self::Gemma3 => "gemma3",
+            Self::Ministral3 => "ministral3",
+            Self::Qwen3Moe => "qwen3_moe",
+            Self::Qwen2Moe => "qwen2_moe",
         }
     }
 
     /// Query and key heads pass through an RMSNorm of their own before RoPE.
     pub fn has_qk_norm(self) -> bool {
-        self == Self::Qwen3
+        matches!(self, Self::Qwen3 | Self::Gemma3 | Self::Qwen3Moe)
+    }
+
+    /// Gemma's layout: RMSNorm weights stored as offsets from 1, the outputs of attention and
+    /// of the MLP normalised before they join the residual, a GELU (tanh) MLP.
+    pub fn is_gemma(self) -> bool {
+        self == Self::Gemma3
+    }
+}
+
+/// Layers that attend only to the last `tokens` positions, their own included (Gemma 3's
+/// local layers; mlx-lm's windowed mask: key k is seen by query q when q - tokens < k <= q).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SlidingWindow {
+    pub tokens: usize,
+    /// The windowed layers, in order.
+    pub layers: Vec<usize>,
+    /// Their own RoPE base, without the global layers' scaling (Gemma's
+    /// `rope_local_base_freq`); None: they rotate as the other layers do (Ministral 3).
+    pub rope_theta: Option<f32>,
+}
+
+/// Mixture-of-experts layers: which layers route each token to `per_token` of `count`
+/// experts (SwiGLU MLPs of `intermediate_size`), and whether the chosen experts' router
+/// probabilities are renormalised to sum to 1.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Experts {
+    pub count: usize,
+    pub per_token: usize,
+    pub intermediate_size: usize,
+    pub normalize_top_k: bool,
+    pub layers: Vec<usize>,
+    /// A shared expert every token also takes, of this width, gated by a sigmoid (Qwen2-MoE).
+    pub shared_intermediate_size: Option<usize>,
+}
+
+/// Llama 4's attention temperature (Ministral 3): queries at position p are multiplied by
+/// `1 + beta · ln(1 + floor(p / original_context))`, so that attention sharpens past the
+/// context the model was first trained on.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct QueryScaling {
+    pub beta: f32,
+    pub original_context: usize,
+}
+
+impl QueryScaling {
+    /// The factor on the queries at `position`, in f32 as mlx-lm computes it.
+    pub fn factor(&self, position: usize) -> f32 {
+        let steps = (position / self.original_context.max(1)) as f32;
+        1.0 + self.beta * (1.0 + steps).ln()
     }
 }
 
@@ -77,6 +151,17 @@ pub enum RopeScaling {
     /// per-pair factors with `mscale` 1.
     LongRope {
         long_factor: Vec<f32>,
+        mscale: f32,
+    },
+    /// YaRN (Ministral 3, DeepSeek): each pair's period interpolated between the original
+    /// and `factor` times it by a linear ramp over the pairs between the `beta_fast` and
+    /// `beta_slow` rotation counts in the original context; the rotated part of q and k scaled
+    /// by `mscale` (mlx-lm's `YarnRoPE`).
+    Yarn {
+        factor: f32,
+        original_context: f32,
+        beta_fast: f32,
+        beta_slow: f32,
         mscale: f32,
     },
 }
@@ -129,6 +214,36 @@ impl RopeScaling {
                     .map(|i| (base(i) * long_factor.get(i).copied().unwrap_or(1.0) as f64) as f32)
                     .collect(),
             ),
+            Self::Yarn {
+                factor,
+                original_context,
+                beta_fast,
+                beta_slow,
+                ..
+            } => {
+                let (factor, context) = (*factor as f64, *original_context as f64);
+                let dims_f = dims as f64;
+                let ln_theta = (theta as f64).ln();
+                // The pair index at which a period completes `rotations` turns in the context.
+                let correction = |rotations: f64| {
+                    dims_f * (context / (rotations * 2.0 * std::f64::consts::PI)).ln()
+                        / (2.0 * ln_theta)
+                };
+                let low = correction(*beta_fast as f64).floor().max(0.0);
+                let high = correction(*beta_slow as f64).ceil().min(dims_f - 1.0);
+                let high = if low == high { high + 0.001 } else { high };
+                Some(
+                    (0..pairs)
+                        .map(|i| {
+                            let extra = base(i);
+                            let inter = factor * extra;
+                            let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                            let keep = 1.0 - ramp;
+                            (inter * extra / (inter * keep + extra * (1.0 - keep))) as f32
+                        })
+                        .collect(),
+                )
+            }
         }
     }
 
@@ -143,7 +258,7 @@ impl RopeScaling {
     /// The factor on the rotated dimensions of q and k before rotation.
     pub fn input_scale(&self) -> f32 {
         match self {
-            Self::LongRope { mscale, .. } => *mscale,
+            Self::LongRope { mscale, .. } | Self::Yarn { mscale, .. } => *mscale,
             _ => 1.0,
         }
     }
@@ -172,6 +287,27 @@ pub struct ModelConfig {
     /// Face checkpoints and of Qwen2 everywhere.
     pub rope_traditional: bool,
     pub context_length: usize,
+    /// Windowed attention layers, if the family has them (Gemma 3).
+    pub sliding_window: Option<SlidingWindow>,
+    /// The factor on attention logits: 1/sqrt(head_dim) unless the family sets its own
+    /// (Gemma's `query_pre_attn_scalar`).
+    pub attention_scale: f32,
+    /// The factor on the input embeddings (Gemma: sqrt(hidden), rounded to bfloat16 as
+    /// mlx-lm and Hugging Face compute it).
+    pub embed_scale: Option<f32>,
+    /// Queries scaled with their position (Ministral 3).
+    pub query_scaling: Option<QueryScaling>,
+    /// Mixture-of-experts layers (Qwen3-MoE).
+    pub experts: Option<Experts>,
+}
+
+impl ModelConfig {
+    /// Whether `layer`'s MLP is a mixture of experts.
+    pub fn is_moe_layer(&self, layer: usize) -> bool {
+        self.experts
+            .as_ref()
+            .is_some_and(|e| e.layers.contains(&layer))
+    }
 }
 
 impl ModelConfig {
@@ -217,7 +353,34 @@ impl ModelConfig {
         if let Some(&layer) = self.no_rope_layers.iter().find(|&&l| l >= self.num_layers) {
             return bad(format!("no-RoPE layer {layer} past the last layer"));
         }
+        if let Some(w) = &self.sliding_window {
+            if w.tokens == 0 {
+                return bad("a sliding window of 0 tokens".into());
+            }
+            if let Some(&layer) = w.layers.iter().find(|&&l| l >= self.num_layers) {
+                return bad(format!("sliding-window layer {layer} past the last layer"));
+            }
+        }
+        if !(self.attention_scale.is_finite() && self.attention_scale > 0.0) {
+            return bad(format!("attention scale {}", self.attention_scale));
+        }
+        if let Some(e) = &self.experts
+            && (e.per_token == 0 || e.per_token > e.count || e.intermediate_size == 0)
+        {
+            return bad(format!(
+                "{} experts per token of {} (intermediate size {})",
+                e.per_token, e.count, e.intermediate_size
+            ));
+        }
         Ok(())
+    }
+
+    /// The window of `layer`'s attention, if it is a windowed layer.
+    pub fn window_of(&self, layer: usize) -> Option<usize> {
+        self.sliding_window
+            .as_ref()
+            .filter(|w| w.layers.contains(&layer))
+            .map(|w| w.tokens)
     }
 
     /// Bytes of K and V per token across all layers, for a KV element size in bytes.
@@ -241,9 +404,10 @@ pub struct HfConfig {
     pub vocab_size: usize,
     #[serde(default = "default_eps")]
     pub rms_norm_eps: f32,
-    #[serde(default = "default_theta")]
-    pub rope_theta: f32,
+    pub rope_theta: Option<f32>,
     pub rope_scaling: Option<serde_json::Value>,
+    /// Newer configs (transformers 5): `rope_theta` and the scaling in one object.
+    pub rope_parameters: Option<serde_json::Value>,
     #[serde(default = "default_context")]
     pub max_position_embeddings: usize,
     #[serde(default)]
@@ -263,13 +427,33 @@ pub struct HfConfig {
     pub sliding_window: Option<serde_json::Value>,
     #[serde(default)]
     pub use_sliding_window: Option<bool>,
+    /// Gemma 3: every `sliding_window_pattern`-th layer is global, the others windowed
+    /// (mlx-lm's rule), unless `layer_types` names each layer.
+    pub sliding_window_pattern: Option<usize>,
+    pub layer_types: Option<Vec<String>>,
+    /// Gemma 3: the windowed layers' RoPE base.
+    pub rope_local_base_freq: Option<f32>,
+    /// Qwen3-MoE: experts, how many a token takes, their width, the renormalisation, and
+    /// which layers keep a dense MLP.
+    pub num_experts: Option<usize>,
+    pub num_experts_per_tok: Option<usize>,
+    pub moe_intermediate_size: Option<usize>,
+    #[serde(default)]
+    pub norm_topk_prob: bool,
+    pub decoder_sparse_step: Option<usize>,
+    #[serde(default)]
+    pub mlp_only_layers: Vec<usize>,
+    /// Qwen2-MoE's shared expert.
+    pub shared_expert_intermediate_size: Option<usize>,
+    /// Gemma: attention logits are scaled by `query_pre_attn_scalar^-0.5`.
+    pub query_pre_attn_scalar: Option<f32>,
+    /// Gemma 2 caps logits with tanh; Gemma 3 configs carry null. A cap is refused.
+    pub final_logit_softcapping: Option<f32>,
+    pub attn_logit_softcapping: Option<f32>,
 }
 
 fn default_eps() -> f32 {
     1e-6
-}
-fn default_theta() -> f32 {
-    10_000.0
 }
 fn default_context() -> usize {
     2048
@@ -290,6 +474,12 @@ impl HfConfig {
             Some(share) if arch == Architecture::Phi3 => (head_dim as f32 * share) as usize,
             _ => head_dim,
         };
+        if let Some(cap) = self.final_logit_softcapping.or(self.attn_logit_softcapping) {
+            return Err(EngineError::Config(format!(
+                "logit soft-capping ({cap}) is not implemented (Gemma 2); Gemma 3 has none"
+            )));
+        }
+        let gemma = arch.is_gemma();
         let config = ModelConfig {
             arch,
             hidden_size: self.hidden_size,
@@ -300,21 +490,144 @@ impl HfConfig {
             head_dim,
             vocab_size: self.vocab_size,
             rms_norm_eps: self.rms_norm_eps,
-            rope_theta: self.rope_theta,
+            rope_theta: self.rope_theta(),
             rope_scaling: self.rope_scaling()?,
             rope_dims,
             no_rope_layers: self.no_rope_layers(arch),
             rope_traditional: false,
             context_length: self.usable_context(arch),
+            sliding_window: self.windowed_layers(arch),
+            attention_scale: match self.query_pre_attn_scalar {
+                Some(s) if gemma => 1.0 / s.sqrt(),
+                _ => 1.0 / (head_dim as f32).sqrt(),
+            },
+            embed_scale: gemma
+                .then(|| half::bf16::from_f32((self.hidden_size as f32).sqrt()).to_f32()),
+            query_scaling: self.query_scaling(arch)?,
+            experts: self.experts(arch)?,
         };
         config.validate()?;
         Ok(config)
     }
 
-    /// Hugging Face's `rope_scaling` as one of the schemes the decoder implements; anything
-    /// else is refused by name rather than run with the wrong positions.
+    /// Gemma 3's windowed layers: from `layer_types` where the file has it, otherwise every
+    /// layer but each `sliding_window_pattern`-th (default 6, mlx-lm's).
+    fn windowed_layers(&self, arch: Architecture) -> Option<SlidingWindow> {
+        if !matches!(arch, Architecture::Gemma3 | Architecture::Ministral3) {
+            return None;
+        }
+        let tokens = self.sliding_window.as_ref()?.as_u64()? as usize;
+        let layers = match &self.layer_types {
+            Some(types) => types
+                .iter()
+                .enumerate()
+                .filter(|(_, kind)| kind.as_str() == "sliding_attention")
+                .map(|(layer, _)| layer)
+                .collect(),
+            None => {
+                let pattern = self.sliding_window_pattern.unwrap_or(6).max(1);
+                (0..self.num_hidden_layers)
+                    .filter(|layer| (layer + 1) % pattern != 0)
+                    .collect()
+            }
+        };
+        if arch == Architecture::Ministral3 && self.layer_types.is_none() {
+            // Without `layer_types` every Ministral 3 layer attends to everything (mlx-lm).
+            return None;
+        }
+        Some(SlidingWindow {
+            tokens,
+            layers,
+            rope_theta: arch
+                .is_gemma()
+                .then(|| self.rope_local_base_freq.unwrap_or(10_000.0)),
+        })
+    }
+
+    /// The experts: a Qwen3-MoE layer routes unless it is in `mlp_only_layers` or off the
+    /// `decoder_sparse_step`; every Qwen2-MoE layer routes, without renormalising, beside its
+    /// shared expert (mlx-lm's rules).
+    fn experts(&self, arch: Architecture) -> Result<Option<Experts>> {
+        if !matches!(arch, Architecture::Qwen3Moe | Architecture::Qwen2Moe) {
+            return Ok(None);
+        }
+        let qwen2 = arch == Architecture::Qwen2Moe;
+        if qwen2 && self.shared_expert_intermediate_size.is_none() {
+            return Err(EngineError::Config(
+                "qwen2_moe needs shared_expert_intermediate_size".into(),
+            ));
+        }
+        let (Some(count), Some(per_token), Some(width)) = (
+            self.num_experts,
+            self.num_experts_per_tok,
+            self.moe_intermediate_size,
+        ) else {
+            return Err(EngineError::Config(format!(
+                "{} needs num_experts, num_experts_per_tok and moe_intermediate_size",
+                arch.name()
+            )));
+        };
+        let step = self.decoder_sparse_step.unwrap_or(1).max(1);
+        let layers = (0..self.num_hidden_layers)
+            .filter(|l| {
+                qwen2 || (count > 0 && !self.mlp_only_layers.contains(l) && (l + 1) % step == 0)
+            })
+            .collect();
+        Ok(Some(Experts {
+            count,
+            per_token,
+            intermediate_size: width,
+            normalize_top_k: self.norm_topk_prob && !qwen2,
+            layers,
+            shared_intermediate_size: self.shared_expert_intermediate_size.filter(|_| qwen2),
+        }))
+    }
+
+    /// The RoPE base: `rope_theta`, or inside `rope_parameters`, or 10000.
+    fn rope_theta(&self) -> f32 {
+        self.rope_theta
+            .or_else(|| {
+                self.rope_parameters
+                    .as_ref()?
+                    .get("rope_theta")?
+                    .as_f64()
+                    .map(|t| t as f32)
+            })
+            .unwrap_or(10_000.0)
+    }
+
+    /// Ministral 3's query scaling, from `rope_parameters`.
+    fn query_scaling(&self, arch: Architecture) -> Result<Option<QueryScaling>> {
+        if arch != Architecture::Ministral3 {
+            return Ok(None);
+        }
+        let p = self.rope_parameters.as_ref();
+        let number = |key: &str| p.and_then(|p| p.get(key)).and_then(|v| v.as_f64());
+        match (
+            number("llama_4_scaling_beta"),
+            number("original_max_position_embeddings"),
+        ) {
+            (Some(beta), Some(context)) if context >= 1.0 => Ok(Some(QueryScaling {
+                beta: beta as f32,
+                original_context: context as usize,
+            })),
+            _ => Err(EngineError::Config(
+                "ministral3 needs rope_parameters.llama_4_scaling_beta and \
+                 original_max_position_embeddings"
+                    .into(),
+            )),
+        }
+    }
+
+    /// Hugging Face's `rope_scaling` (or `rope_parameters`) as one of the schemes the decoder
+    /// implements; anything else is refused by name rather than run with the wrong positions.
     fn rope_scaling(&self) -> Result<RopeScaling> {
-        let Some(v) = self.rope_scaling.as_ref().filter(|v| !v.is_null()) else {
+        let Some(v) = self
+            .rope_scaling
+            .as_ref()
+            .or(self.rope_parameters.as_ref())
+            .filter(|v| !v.is_null())
+        else {
             return Ok(RopeScaling::None);
         };
         let kind = v
@@ -370,9 +683,28 @@ impl HfConfig {
                     mscale,
                 })
             }
+            "yarn" => {
+                // mlx-lm's `yarn_get_mscale`, as a ratio of the two.
+                let yarn_mscale = |scale: f32, m: f32| {
+                    if scale <= 1.0 {
+                        1.0
+                    } else {
+                        0.1 * m * scale.ln() + 1.0
+                    }
+                };
+                let factor = required("factor")?;
+                Ok(RopeScaling::Yarn {
+                    factor,
+                    original_context: number("original_max_position_embeddings").unwrap_or(4096.0),
+                    beta_fast: number("beta_fast").unwrap_or(32.0),
+                    beta_slow: number("beta_slow").unwrap_or(1.0),
+                    mscale: yarn_mscale(factor, number("mscale").unwrap_or(1.0))
+                        / yarn_mscale(factor, number("mscale_all_dim").unwrap_or(0.0)),
+                })
+            }
             other => Err(EngineError::Config(format!(
                 "unsupported rope_scaling type {other:?} (supported: default, linear, llama3, \
-                 longrope)"
+                 longrope, yarn)"
             ))),
         }
     }
@@ -411,6 +743,8 @@ impl HfConfig {
         let applies = match arch {
             // Qwen2/3 configs carry a window that is off unless `use_sliding_window`.
             Architecture::Qwen2 | Architecture::Qwen3 => self.use_sliding_window == Some(true),
+            // Their windowed layers are computed as such (`windowed_layers`).
+            Architecture::Gemma3 | Architecture::Ministral3 => false,
             _ => true,
         };
         match window {
@@ -476,10 +810,11 @@ mod tests {
         assert_eq!(periods[0], 1.0);
         let slowest = 500_000f64.powf(14.0 / 16.0) * 8.0;
         assert!((periods[7] as f64 / slowest - 1.0).abs() < 1e-6);
-        let yarn = config(serde_json::json!({"rope_scaling": {"type": "yarn", "factor": 4.0}}));
-        let message = yarn.unwrap_err().to_string();
+        let dynamic =
+            config(serde_json::json!({"rope_scaling": {"type": "dynamic", "factor": 4.0}}));
+        let message = dynamic.unwrap_err().to_string();
         assert!(
-            message.contains("\"yarn\"") && message.contains("longrope"),
+            message.contains("\"dynamic\"") && message.contains("longrope, yarn"),
             "{message}"
         );
         let no_factor = config(serde_json::json!({"rope_scaling": {"type": "linear"}}));
@@ -541,7 +876,74 @@ mod tests {
 
     #[test]
     fn unknown_architectures_list_the_supported_ones() {
-        let err = config(serde_json::json!({"model_type": "gemma3_text"})).unwrap_err();
-        assert!(err.to_string().contains("phi3, smollm3"), "{err}");
+        let err = config(serde_json::json!({"model_type": "gemma2"})).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("phi3, smollm3, gemma3_text, ministral3"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn ministral3_reads_yarn_and_its_query_scaling_from_rope_parameters() {
+        let m = config(serde_json::json!({
+            "model_type": "ministral3",
+            "rope_parameters": {"rope_type": "yarn", "factor": 16.0, "rope_theta": 1e9,
+                                "original_max_position_embeddings": 16384,
+                                "llama_4_scaling_beta": 0.1, "mscale": 1.0,
+                                "mscale_all_dim": 1.0},
+        }))
+        .unwrap();
+        assert_eq!(m.rope_theta, 1e9);
+        // mscale / mscale_all_dim = 1: no input scale, as published.
+        assert_eq!(m.rope_scaling.input_scale(), 1.0);
+        let q = m.query_scaling.unwrap();
+        assert_eq!((q.factor(0), q.factor(16383)), (1.0, 1.0));
+        assert!((q.factor(16384) - (1.0 + 0.1 * 2f32.ln())).abs() < 1e-7);
+        let missing = config(serde_json::json!({"model_type": "ministral3"}));
+        assert!(
+            missing
+                .unwrap_err()
+                .to_string()
+                .contains("llama_4_scaling_beta")
+        );
+    }
+
+    #[test]
+    fn gemma3_windows_come_from_layer_types_or_the_pattern() {
+        let gemma = |extra: serde_json::Value| {
+            let mut base = serde_json::json!({
+                "model_type": "gemma3_text", "num_hidden_layers": 7, "sliding_window": 512,
+                "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 256, "hidden_size": 96,
+            });
+            for (k, v) in extra.as_object().cloned().unwrap_or_default() {
+                base[k] = v;
+            }
+            config(base)
+        };
+        let by_pattern = gemma(serde_json::json!({})).unwrap();
+        let w = by_pattern.sliding_window.clone().unwrap();
+        assert_eq!(
+            (w.tokens, w.layers, w.rope_theta),
+            (512, vec![0, 1, 2, 3, 4, 6], Some(1e4))
+        );
+        // The windows are computed, so the context is not cut to them.
+        assert_eq!(by_pattern.context_length, 8192);
+        assert_eq!(by_pattern.window_of(5), None);
+        assert_eq!(by_pattern.window_of(6), Some(512));
+        assert_eq!(by_pattern.attention_scale, 1.0 / 16.0);
+        // sqrt(96) = 9.798 in bfloat16, as the reference computes it.
+        assert_eq!(by_pattern.embed_scale, Some(9.8125));
+        let by_types = gemma(serde_json::json!({"layer_types": [
+            "full_attention", "sliding_attention", "full_attention", "sliding_attention",
+            "full_attention", "full_attention", "full_attention"]}))
+        .unwrap();
+        assert_eq!(by_types.sliding_window.unwrap().layers, [1, 3]);
+        let capped = gemma(serde_json::json!({"final_logit_softcapping": 30.0}));
+        assert!(capped.unwrap_err().to_string().contains("soft-capping"));
+        // Other families have no windowed layers and keep 1/sqrt(head_dim).
+        let llama = config(serde_json::json!({"query_pre_attn_scalar": 256})).unwrap();
+        assert_eq!((llama.sliding_window, llama.embed_scale), (None, None));
+        assert_eq!(llama.attention_scale, 0.25);
     }
 }

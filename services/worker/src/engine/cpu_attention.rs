@@ -32,12 +32,14 @@ const MAX_SCORES: usize = 8 << 20;
 const SCORES_PER_TASK: usize = 1 << 15;
 
 /// One sequence's attention inputs: queries `[1, heads, t, dim]` (RoPE applied), keys and
-/// values `[1, kv_heads, held + t, dim]`, the new tokens last.
+/// values `[1, kv_heads, held + t, dim]`, the new tokens last; for a sliding-window layer, the
+/// window (each query sees its last `window` positions, its own included).
 #[derive(Clone, Copy)]
 pub struct AttentionInput<'a> {
     pub q: &'a Array,
     pub keys: &'a Array,
     pub values: &'a Array,
+    pub window: Option<usize>,
 }
 
 /// Whether this path computes `q`'s attention (f32 only: other dtypes keep MLX's kernel).
@@ -92,9 +94,9 @@ fn attention_bounded(
             .map(|&(n, first, len)| piece_scores(&inputs[n], first, len, scale))
             .collect::<Result<Vec<_>>>()?;
         mlx_rs::transforms::eval(scores.iter().map(|(s, _)| s))?;
-        for (&(n, _, len), (scores, visible)) in batch.iter().zip(&scores) {
-            let weights = causal_softmax(scores, *visible, len)?;
-            outputs[n].push(piece_output(&inputs[n], &weights, len)?);
+        for (&(n, _, len), (scores, from)) in batch.iter().zip(&scores) {
+            let weights = causal_softmax(scores, len, inputs[n].window)?;
+            outputs[n].push(piece_output(&inputs[n], &weights, *from, len)?);
         }
         start = end;
     }
@@ -112,8 +114,9 @@ fn attention_bounded(
         .collect()
 }
 
-/// The scores `[1, kv_heads, group * len, visible]` of queries first..first + len against the
-/// keys they can see (positions up to the last of them), and that number of positions.
+/// The scores `[1, kv_heads, group * len, visible - from]` of queries first..first + len
+/// against the keys they can see (positions `from` up to the last of them: from 0, or in a
+/// window from the first query's window), and `from`.
 fn piece_scores(
     input: &AttentionInput<'_>,
     first: usize,
@@ -125,6 +128,9 @@ fn piece_scores(
     let positions = input.keys.shape()[2] as usize;
     let held = positions - t as usize;
     let visible = held + first + len;
+    let from = input
+        .window
+        .map_or(0, |w| (held + first + 1).saturating_sub(w));
     let q = if len == t as usize {
         input.q.clone()
     } else {
@@ -138,33 +144,41 @@ fn piece_scores(
         (heads / kv_heads) * len as i32,
         dim,
     ])?;
-    let keys = visible_rows(input.keys, visible)?;
+    let keys = visible_rows(input.keys, from, visible)?;
     let scores = q.matmul(&keys.transpose_axes(&[0, 1, 3, 2])?)?;
-    Ok((scores, visible))
+    Ok((scores, from))
 }
 
-/// `weights · V` of a piece, back in `[1, heads, len, dim]`.
-fn piece_output(input: &AttentionInput<'_>, weights: &Array, len: usize) -> Result<Array> {
+/// `weights · V` of a piece whose scores start at position `from`, back in
+/// `[1, heads, len, dim]`.
+fn piece_output(
+    input: &AttentionInput<'_>,
+    weights: &Array,
+    from: usize,
+    len: usize,
+) -> Result<Array> {
     let (heads, dim) = (input.q.shape()[1], input.q.shape()[3]);
-    let visible = weights.shape()[3] as usize;
-    let values = visible_rows(input.values, visible)?;
+    let visible = from + weights.shape()[3] as usize;
+    let values = visible_rows(input.values, from, visible)?;
     Ok(weights
         .matmul(&values)?
         .reshape(&[1, heads, len as i32, dim])?)
 }
 
-fn visible_rows(a: &Array, visible: usize) -> Result<Array> {
-    if a.shape()[2] as usize == visible {
+fn visible_rows(a: &Array, from: usize, visible: usize) -> Result<Array> {
+    if from == 0 && a.shape()[2] as usize == visible {
         Ok(a.clone())
     } else {
-        Ok(a.try_index((.., .., 0..visible as i32, ..))?)
+        Ok(a.try_index((.., .., from as i32..visible as i32, ..))?)
     }
 }
 
-/// Softmax of each row of `scores` (`[1, kv_heads, group * len, visible]`, evaluated) over the
+/// Softmax of each row of `scores` (`[1, kv_heads, group * len, cols]`, evaluated) over the
 /// positions its query sees: row r is query r % len, the (len - 1 - r % len)-th from the end,
-/// which sees all but that many of the last positions. Masked positions get weight 0.
-fn causal_softmax(scores: &Array, cols: usize, len: usize) -> Result<Array> {
+/// which sees all but that many of the last positions, and in a `window` only the last
+/// `window` of those. Masked positions get weight 0.
+fn causal_softmax(scores: &Array, len: usize, window: Option<usize>) -> Result<Array> {
+    let cols = scores.shape()[3] as usize;
     let data = scores
         .try_as_slice::<f32>()
         .map_err(|e| EngineError::Mlx(format!("reading attention scores: {e}")))?;
@@ -177,7 +191,8 @@ fn causal_softmax(scores: &Array, cols: usize, len: usize) -> Result<Array> {
             for (i, (out, row)) in out.chunks_mut(cols).zip(data.chunks(cols)).enumerate() {
                 let r = task * rows_per_task + i;
                 let seen = cols - (len - 1 - r % len);
-                softmax_row(&row[..seen], &mut out[..seen]);
+                let first = window.map_or(0, |w| seen.saturating_sub(w));
+                softmax_row(&row[first..seen], &mut out[first..seen]);
             }
         });
     Ok(Array::from_slice(&out, scores.shape()))
@@ -187,13 +202,38 @@ fn causal_softmax(scores: &Array, cols: usize, len: usize) -> Result<Array> {
 mod tests {
     use super::*;
 
+    /// MLX's fused attention with the mask of a window (`None`: causal).
+    fn reference(q: &Array, k: &Array, v: &Array, scale: f32, window: Option<usize>) -> Array {
+        use mlx_rs::fast::{ScaledDotProductAttentionMask, scaled_dot_product_attention};
+        let (t, positions) = (q.shape()[2] as usize, k.shape()[2] as usize);
+        let Some(w) = window else {
+            let mask = (t > 1).then_some(ScaledDotProductAttentionMask::Causal);
+            return scaled_dot_product_attention(q, k, v, scale, mask, None).unwrap();
+        };
+        let mask: Vec<f32> = (0..t * positions)
+            .map(|i| {
+                let (query, key) = (positions - t + i / positions, i % positions);
+                if key <= query && key + w > query {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+            .collect();
+        let mask = Array::from_slice(&mask, &[t as i32, positions as i32]);
+        scaled_dot_product_attention(q, k, v, scale, &mask, None).unwrap()
+    }
+
     /// Against MLX's own attention on the same inputs: a prefill chunk (causal, queries split
-    /// into pieces by a small bound) and a decode step, with grouped-query heads.
+    /// into pieces by a small bound) and a decode step, with grouped-query heads; causal, and
+    /// in windows shorter than, equal to and longer than the chunk.
     #[test]
     fn attention_matches_mlx_fused_attention() {
-        use mlx_rs::fast::{ScaledDotProductAttentionMask, scaled_dot_product_attention};
         let (heads, kv_heads, dim) = (6, 2, 16);
-        for (held, t) in [(0, 9), (37, 5), (50, 1)] {
+        for ((held, t), window) in [(0, 9), (37, 5), (50, 1)]
+            .into_iter()
+            .flat_map(|case| [None, Some(3), Some(5), Some(40)].map(|w| (case, w)))
+        {
             let positions = held + t;
             let q = mlx_rs::random::normal::<f32>(&[1, heads, t, dim], None, None, None).unwrap();
             let k = mlx_rs::random::normal::<f32>(&[1, kv_heads, positions, dim], None, None, None)
@@ -201,12 +241,12 @@ mod tests {
             let v = mlx_rs::random::normal::<f32>(&[1, kv_heads, positions, dim], None, None, None)
                 .unwrap();
             let scale = 0.25;
-            let mask = (t > 1).then_some(ScaledDotProductAttentionMask::Causal);
-            let want = scaled_dot_product_attention(&q, &k, &v, scale, mask, None).unwrap();
+            let want = reference(&q, &k, &v, scale, window);
             let input = AttentionInput {
                 q: &q,
                 keys: &k,
                 values: &v,
+                window,
             };
             // Whole, and split into pieces of a query or two.
             for bound in [MAX_SCORES, 2 * heads as usize * positions as usize] {
@@ -226,19 +266,21 @@ mod tests {
                     .unwrap();
                 assert!(
                     diff < 1e-5,
-                    "held {held} t {t} bound {bound}: max difference {diff}"
+                    "held {held} t {t} window {window:?} bound {bound}: max difference {diff}"
                 );
             }
         }
     }
 
     /// `few_queries` reads the cache's buffers in place (capacity beyond the visible
-    /// positions, grouped heads) and agrees with MLX's fused attention.
+    /// positions, grouped heads) and agrees with MLX's fused attention, causal and windowed.
     #[test]
     fn few_queries_match_mlx_fused_attention() {
-        use mlx_rs::fast::{ScaledDotProductAttentionMask, scaled_dot_product_attention};
         let (heads, kv_heads, dim) = (9, 3, 64);
-        for (held, t) in [(0, 1), (5, 3), (600, 1), (700, 13)] {
+        for ((held, t), window) in [(0, 1), (5, 3), (600, 1), (700, 13)]
+            .into_iter()
+            .flat_map(|case| [None, Some(2), Some(13), Some(512)].map(|w| (case, w)))
+        {
             let positions = held + t;
             let capacity = positions + 37;
             let q = mlx_rs::random::normal::<f32>(&[1, heads, t, dim], None, None, None).unwrap();
@@ -248,14 +290,11 @@ mod tests {
                 .unwrap();
             let visible = |a: &Array| a.try_index((.., .., 0..positions, ..)).unwrap();
             let scale = 0.125;
-            let mask = (t > 1).then_some(ScaledDotProductAttentionMask::Causal);
-            let want =
-                scaled_dot_product_attention(&q, visible(&k), visible(&v), scale, mask, None)
-                    .unwrap()
-                    .transpose_axes(&[0, 2, 1, 3])
-                    .unwrap()
-                    .reshape(&[t, heads * dim])
-                    .unwrap();
+            let want = reference(&q, &visible(&k), &visible(&v), scale, window)
+                .transpose_axes(&[0, 2, 1, 3])
+                .unwrap()
+                .reshape(&[t, heads * dim])
+                .unwrap();
             let buffers = strata_cpu_kernels::attention::CacheBuffers {
                 keys: k.try_as_slice().unwrap(),
                 values: v.try_as_slice().unwrap(),
@@ -263,6 +302,7 @@ mod tests {
                 capacity: capacity as usize,
                 dim: dim as usize,
                 visible: positions as usize,
+                window,
             };
             let got = strata_cpu_kernels::attention::few_queries(
                 q.try_as_slice().unwrap(),
@@ -277,7 +317,10 @@ mod tests {
                 .zip(want)
                 .map(|(a, b)| (a - b).abs())
                 .fold(0f32, f32::max);
-            assert!(diff < 1e-5, "held {held} t {t}: max difference {diff}");
+            assert!(
+                diff < 1e-5,
+                "held {held} t {t} window {window:?}: max difference {diff}"
+            );
         }
     }
 }

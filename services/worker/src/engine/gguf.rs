@@ -13,7 +13,7 @@ use std::sync::Arc;
 use strata_cpu_kernels::packed::PackedMatrix;
 use strata_model_files::{GgufFile, MetaValue, affine_codes};
 
-use super::config::{Architecture, ModelConfig, RopeScaling};
+use super::config::{Architecture, ModelConfig, RopeScaling, SlidingWindow};
 use super::weights::{QuantSpec, TensorStore};
 use super::{EngineError, Result};
 use crate::tokenizer::GgufTokenizerSpec;
@@ -72,6 +72,23 @@ impl Meta<'_> {
     fn require_usize(&self, key: &str) -> Result<usize> {
         self.usize(key)?
             .ok_or_else(|| EngineError::MissingMetadata(key.to_string()))
+    }
+
+    fn floats(&self, key: &str) -> Result<Option<Vec<f32>>> {
+        match self.value(key) {
+            None => Ok(None),
+            Some(MetaValue::Array(items)) => items
+                .iter()
+                .map(|v| v.as_f64().map(|f| f as f32))
+                .collect::<Option<Vec<_>>>()
+                .map(Some)
+                .ok_or_else(|| {
+                    EngineError::Load(format!("metadata {key} is not an array of numbers"))
+                }),
+            Some(_) => Err(EngineError::Load(format!(
+                "metadata {key} is not an array of numbers"
+            ))),
+        }
     }
 
     fn ints(&self, key: &str) -> Result<Option<Vec<i32>>> {
@@ -159,6 +176,58 @@ fn type_counts(file: &GgufFile) -> String {
         .join(", ")
 }
 
+/// A small tensor's values as f32 (RoPE factors).
+fn floats(tensor: &Array, name: &str) -> Result<Vec<f32>> {
+    let values = tensor.as_dtype(Dtype::Float32)?;
+    values.eval()?;
+    Ok(values
+        .try_as_slice::<f32>()
+        .map_err(|e| EngineError::Load(format!("{name}: {e}")))?
+        .to_vec())
+}
+
+/// What a Gemma 3 GGUF leaves to llama.cpp's defaults (src/models/gemma3.cpp): windowed
+/// layers all but every 6th (unless `attention.sliding_window_pattern` says otherwise), their
+/// RoPE base 1e4 (`rope.freq_base_swa`), attention scaled by 1/sqrt(head_dim) except in the
+/// 27B (62 layers: 1/sqrt(hidden / heads), its `query_pre_attn_scalar`); the embedding scaled
+/// by sqrt(hidden) in bfloat16, as the reference implementations compute it. The norms'
+/// `1 + w` is already folded into the file's weights by the converter.
+fn gemma3_settings(
+    config: &mut ModelConfig,
+    meta: &Meta<'_>,
+    key: &dyn Fn(&str) -> String,
+) -> Result<()> {
+    config.embed_scale = Some(half::bf16::from_f32((config.hidden_size as f32).sqrt()).to_f32());
+    if config.num_layers == 62 {
+        config.attention_scale = 1.0 / ((config.hidden_size / config.num_heads) as f32).sqrt();
+    }
+    let Some(window) = meta.usize(&key("attention.sliding_window"))? else {
+        return Ok(());
+    };
+    let pattern_key = key("attention.sliding_window_pattern");
+    let layers = match meta.value(&pattern_key) {
+        // One flag per layer: true = windowed.
+        Some(MetaValue::Array(flags)) => flags
+            .iter()
+            .enumerate()
+            .filter(|(_, f)| f.as_f64().is_some_and(|v| v != 0.0))
+            .map(|(layer, _)| layer)
+            .collect(),
+        _ => {
+            let pattern = meta.usize(&pattern_key)?.unwrap_or(6).max(1);
+            (0..config.num_layers)
+                .filter(|layer| (layer + 1) % pattern != 0)
+                .collect()
+        }
+    };
+    config.sliding_window = Some(SlidingWindow {
+        tokens: window,
+        layers,
+        rope_theta: Some(meta.number(&key("rope.freq_base_swa"))?.unwrap_or(10_000.0) as f32),
+    });
+    Ok(())
+}
+
 /// mlx-rs opens GGUF files only under a `.gguf` name, and Ollama keeps them as
 /// `blobs/sha256-<hex>`: such a file is read through a link with the extension, in a private
 /// temporary folder that lives as long as the returned guard (MLX copies the tensors out
@@ -187,16 +256,29 @@ pub fn load(path: &Path, keep_codes: bool) -> Result<GgufModel> {
     let arch_name = meta
         .string("general.architecture")?
         .ok_or_else(|| EngineError::MissingMetadata("general.architecture".into()))?;
-    let arch = Architecture::parse(&arch_name)?;
-    // llama.cpp names Mistral and SmolLM2 "llama"; Phi-3 and SmolLM3 files lay their tensors
-    // out differently (fused attn_qkv, NoPE flags) and are not read from GGUF yet.
+    // llama.cpp calls Gemma 3's text decoder "gemma3".
+    let arch = match arch_name.as_str() {
+        "gemma3" => Architecture::Gemma3,
+        other => Architecture::parse(other)?,
+    };
+    // llama.cpp names Mistral and SmolLM2 "llama".
     if !matches!(
         arch,
-        Architecture::Llama | Architecture::Qwen2 | Architecture::Qwen3
+        Architecture::Llama
+            | Architecture::Qwen2
+            | Architecture::Qwen3
+            | Architecture::Gemma3
+            | Architecture::Phi3
+            | Architecture::SmolLm3
     ) {
         return Err(EngineError::UnknownArchitecture(format!(
-            "{arch_name} in GGUF (supported there: llama, qwen2, qwen3; load its safetensors \
-             folder instead)"
+            "{arch_name} in GGUF (supported there: llama, qwen2, qwen3, gemma3, phi3, smollm3; \
+             load its safetensors folder instead)"
+        )));
+    }
+    if let Some(cap) = meta.number(&format!("{arch_name}.final_logit_softcapping"))? {
+        return Err(EngineError::Config(format!(
+            "logit soft-capping ({cap}) is not implemented"
         )));
     }
     let key = |k: &str| format!("{arch_name}.{k}");
@@ -210,13 +292,17 @@ pub fn load(path: &Path, keep_codes: bool) -> Result<GgufModel> {
         Some(d) => d,
         None => hidden_size / num_heads.max(1),
     };
-    if let Some(rot) = meta.usize(&key("rope.dimension_count"))?
-        && rot != head_dim
-    {
-        return Err(EngineError::Config(format!(
-            "partial rotary embeddings ({rot} of {head_dim} dims) are not supported"
-        )));
-    }
+    // Phi's partial rotary (Phi-4-mini rotates 3/4 of each head); other families rotate all.
+    let rope_dims = match meta.usize(&key("rope.dimension_count"))? {
+        Some(rot) if rot != head_dim && arch != Architecture::Phi3 => {
+            return Err(EngineError::Config(format!(
+                "partial rotary embeddings ({rot} of {head_dim} dims) in {arch_name} are not \
+                 supported"
+            )));
+        }
+        Some(rot) => rot,
+        None => head_dim,
+    };
     let rope_scaling = match meta.string(&key("rope.scaling.type"))?.as_deref() {
         None | Some("none") => RopeScaling::None,
         Some("linear") => RopeScaling::Linear {
@@ -228,11 +314,12 @@ pub fn load(path: &Path, keep_codes: bool) -> Result<GgufModel> {
             )));
         }
     };
+    let num_layers = meta.require_usize(&key("block_count"))?;
     let mut config = ModelConfig {
         arch,
         hidden_size,
         intermediate_size: meta.require_usize(&key("feed_forward_length"))?,
-        num_layers: meta.require_usize(&key("block_count"))?,
+        num_layers,
         num_heads,
         num_kv_heads: meta
             .usize(&key("attention.head_count_kv"))?
@@ -245,18 +332,47 @@ pub fn load(path: &Path, keep_codes: bool) -> Result<GgufModel> {
             as f32,
         rope_theta: meta.number(&key("rope.freq_base"))?.unwrap_or(10_000.0) as f32,
         rope_scaling,
-        rope_dims: head_dim,
-        no_rope_layers: Vec::new(),
-        // llama.cpp's converter permutes Llama q/k rows for adjacent-pair RoPE; Qwen2 it leaves.
-        rope_traditional: arch == Architecture::Llama,
+        rope_dims,
+        // SmolLM3: llama.cpp fixes its NoPE layers at every 4th (src/models/smollm3.cpp).
+        no_rope_layers: if arch == Architecture::SmolLm3 {
+            (0..num_layers).filter(|l| (l + 1) % 4 == 0).collect()
+        } else {
+            Vec::new()
+        },
+        // llama.cpp's converter permutes Llama q/k rows for adjacent-pair RoPE (SmolLM3 is
+        // converted as a Llama); the other families it leaves.
+        rope_traditional: matches!(arch, Architecture::Llama | Architecture::SmolLm3),
         context_length: meta.require_usize(&key("context_length"))?,
+        sliding_window: None,
+        attention_scale: 1.0 / (head_dim as f32).sqrt(),
+        embed_scale: None,
+        query_scaling: None,
+        experts: None,
     };
+    if arch == Architecture::Gemma3 {
+        gemma3_settings(&mut config, &meta, &key)?;
+    }
+    // Phi-3 (not Phi-4) attends within a window: as from safetensors, the context is cut to
+    // it (inside it full attention is the same computation).
+    if arch == Architecture::Phi3
+        && let Some(window) = meta.usize(&key("attention.sliding_window"))?
+        && window > 0
+        && window < config.context_length
+    {
+        tracing::warn!(
+            arch = arch_name,
+            window,
+            trained_context = config.context_length,
+            "sliding-window attention over every layer: context cut to the window"
+        );
+        config.context_length = window;
+    }
     config.validate()?;
 
+    let tokenizer_model = meta
+        .string("tokenizer.ggml.model")?
+        .ok_or_else(|| EngineError::MissingMetadata("tokenizer.ggml.model".into()))?;
     let tokenizer = GgufTokenizerSpec {
-        model: meta
-            .string("tokenizer.ggml.model")?
-            .ok_or_else(|| EngineError::MissingMetadata("tokenizer.ggml.model".into()))?,
         pre: meta
             .string("tokenizer.ggml.pre")?
             .unwrap_or_else(|| "default".into()),
@@ -264,22 +380,42 @@ pub fn load(path: &Path, keep_codes: bool) -> Result<GgufModel> {
         token_types: meta.ints("tokenizer.ggml.token_type")?.unwrap_or_default(),
         bos: meta.usize("tokenizer.ggml.bos_token_id")?.map(|v| v as u32),
         eos: meta.usize("tokenizer.ggml.eos_token_id")?.map(|v| v as u32),
+        // llama.cpp's defaults where the file is silent: SentencePiece vocabularies ("llama")
+        // start with BOS and a space before the text.
         add_bos: meta
             .number("tokenizer.ggml.add_bos_token")?
-            .is_some_and(|v| v != 0.0),
+            .map_or(tokenizer_model.as_str() == "llama", |v| v != 0.0),
+        scores: meta.floats("tokenizer.ggml.scores")?.unwrap_or_default(),
+        add_space_prefix: meta
+            .number("tokenizer.ggml.add_space_prefix")?
+            .map_or(tokenizer_model.as_str() == "llama", |v| v != 0.0),
+        unknown: meta
+            .usize("tokenizer.ggml.unknown_token_id")?
+            .map(|v| v as u32),
+        model: tokenizer_model,
         tokens,
     };
     let chat_template = meta.string("tokenizer.chat_template")?;
     let (arrays, codes) = tensors(&file, path, keep_codes)?;
+    // Phi-3's longrope: llama.cpp's converter writes the long and short per-pair factors as
+    // tensors and the attention factor in metadata; like mlx-lm (and Phi-3 from safetensors
+    // here), the long factors serve every length.
+    if arch == Architecture::Phi3
+        && let Some(factors) = arrays.get("rope_factors_long.weight")
+    {
+        let long_factor = floats(factors, "rope_factors_long")?;
+        config.rope_scaling = RopeScaling::LongRope {
+            long_factor,
+            mscale: meta
+                .number(&key("rope.scaling.attn_factor"))?
+                .unwrap_or(1.0) as f32,
+        };
+        config.validate()?;
+    }
     // Llama 3.1+ files carry their RoPE rescaling as per-pair period factors in a tensor
     // (llama.cpp's `rope_freqs`), not in metadata.
     if let Some(factors) = arrays.get("rope_freqs.weight") {
-        let factors = factors.as_dtype(Dtype::Float32)?;
-        factors.eval()?;
-        let long_factor = factors
-            .try_as_slice::<f32>()
-            .map_err(|e| EngineError::Load(format!("rope_freqs: {e}")))?
-            .to_vec();
+        let long_factor = floats(factors, "rope_freqs")?;
         if config.rope_scaling != RopeScaling::None {
             return Err(EngineError::Config(
                 "rope_freqs together with a rope scaling type".into(),

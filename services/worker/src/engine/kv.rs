@@ -2,6 +2,12 @@
 //! head_dim]` in the policy's KV dtype, grown in steps of `step_tokens` (never per token) and
 //! written in place with slice updates. Block-aligned ranges export to and import from a flat
 //! byte layout without recomputation (what the cache service stores).
+//!
+//! Sliding-window layers (Gemma 3's local layers) are a layer state kind of their own: their
+//! rows are exported into blocks like any layer's (a hit at any later token needs the last
+//! window of them, which lie in the blocks before it), but the live cache drops the rows that
+//! no query will see again once they are stored (`release_window_rows`), so that such a
+//! layer's buffers stay bounded by the window instead of growing with the context.
 
 use mlx_rs::ops::indexing::{TryIndexMutOp, TryIndexOp};
 use mlx_rs::ops::{concatenate, zeros_dtype};
@@ -17,6 +23,42 @@ pub struct KvLayout {
     pub kv_heads: usize,
     pub head_dim: usize,
     pub dtype: Dtype,
+    /// Layers whose queries see only their last positions.
+    pub window: Option<WindowedLayers>,
+}
+
+/// Sliding-window layers: bit i of `layers` is layer i, each query of which sees its last
+/// `tokens` positions (its own included).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WindowedLayers {
+    pub tokens: usize,
+    pub layers: u128,
+}
+
+impl WindowedLayers {
+    /// At most this many layers can be told apart (`layers` is a bit set).
+    pub const MAX_LAYERS: usize = 128;
+
+    pub fn new(tokens: usize, layers: &[usize]) -> Result<Self> {
+        let mut bits = 0u128;
+        for &layer in layers {
+            if layer >= Self::MAX_LAYERS {
+                return Err(EngineError::Config(format!(
+                    "sliding-window layer {layer}: at most {} layers are supported",
+                    Self::MAX_LAYERS
+                )));
+            }
+            bits |= 1 << layer;
+        }
+        Ok(Self {
+            tokens,
+            layers: bits,
+        })
+    }
+
+    pub fn contains(&self, layer: usize) -> bool {
+        layer < Self::MAX_LAYERS && self.layers & (1 << layer) != 0
+    }
 }
 
 impl KvLayout {
@@ -27,23 +69,43 @@ impl KvLayout {
 
     /// A stable description for fingerprints: any change makes old blocks unusable.
     pub fn describe(&self) -> String {
-        format!(
+        let mut text = format!(
             "kv-v1 layers={} kv_heads={} head_dim={} dtype={:?} order=layer,kv,head,token,dim",
             self.num_layers, self.kv_heads, self.head_dim, self.dtype
-        )
+        );
+        if let Some(w) = self.window {
+            // Windowed layers' rows are stored like the others'; what differs is what a hit
+            // reads from them, so their kind is part of the format.
+            let layers: Vec<String> = (0..self.num_layers)
+                .filter(|&l| w.contains(l))
+                .map(|l| l.to_string())
+                .collect();
+            text.push_str(&format!(
+                " state=sliding-window window={} windowed_layers={}",
+                w.tokens,
+                layers.join(",")
+            ));
+        }
+        text
+    }
+
+    /// The window of `layer`, if it is a sliding-window layer.
+    pub fn window_of(&self, layer: usize) -> Option<usize> {
+        self.window.filter(|w| w.contains(layer)).map(|w| w.tokens)
     }
 }
 
 struct LayerKv {
     keys: Array,
     values: Array,
+    /// The token held in row 0: rows before it were released (sliding-window layers only).
+    first: usize,
 }
 
 pub struct KvCache {
     layout: KvLayout,
     layers: Vec<Option<LayerKv>>,
     len: usize,
-    capacity: usize,
     step_tokens: usize,
     /// Prompt positions skipped (SpecPrefill): the next token's position is `len + skipped`.
     skipped: usize,
@@ -58,7 +120,6 @@ impl KvCache {
             layout,
             layers: (0..layout.num_layers).map(|_| None).collect(),
             len: 0,
-            capacity: 0,
             step_tokens: step_tokens.max(1),
             skipped: 0,
             gaps: Vec::new(),
@@ -111,23 +172,37 @@ impl KvCache {
         self.len == 0
     }
 
-    /// Tokens the buffers can hold before they grow again.
-    pub fn capacity(&self) -> usize {
-        self.capacity
+    /// The first token whose rows `layer` still holds (0 but in sliding-window layers).
+    pub fn first_held(&self, layer: usize) -> usize {
+        self.layers
+            .get(layer)
+            .and_then(|kv| kv.as_ref())
+            .map_or(0, |kv| kv.first)
+    }
+
+    /// Rows allocated across all layers' K and V buffers (memory held, in token rows).
+    pub fn rows_allocated(&self) -> usize {
+        self.layers
+            .iter()
+            .flatten()
+            .map(|kv| kv.keys.shape()[2] as usize)
+            .sum()
     }
 
     /// Writes `keys`/`values` (`[1, kv_heads, t, head_dim]`) of `layer` after the tokens held,
-    /// and returns views of everything held for that layer, new tokens included. Call for every
-    /// layer, then `advance(t)` once.
+    /// and returns views of everything held for that layer, new tokens included (from
+    /// `first_held(layer)` on). Call for every layer, then `advance(t)` once.
     pub fn append(&mut self, layer: usize, keys: &Array, values: &Array) -> Result<(Array, Array)> {
         let t = keys.shape()[2] as usize;
-        let needed = self.len + t;
-        let start = self.len as i32;
-        let end = needed as i32;
         let slot = self
             .layers
             .get_mut(layer)
             .ok_or_else(|| EngineError::Config(format!("layer {layer} out of range")))?;
+        let first = slot.as_ref().map_or(0, |kv| kv.first);
+        // Rows of the buffer, which starts at token `first`.
+        let needed = self.len - first + t;
+        let start = (self.len - first) as i32;
+        let end = needed as i32;
         let step = self.step_tokens;
         let layout = self.layout;
         let grow_to = needed.div_ceil(step) * step;
@@ -158,7 +233,11 @@ impl KvCache {
                 };
                 let keys = fresh(slot.as_ref().map(|kv| &kv.keys))?;
                 let values = fresh(slot.as_ref().map(|kv| &kv.values))?;
-                *slot = Some(LayerKv { keys, values });
+                *slot = Some(LayerKv {
+                    keys,
+                    values,
+                    first,
+                });
             }
         }
         let kv = slot
@@ -168,7 +247,6 @@ impl KvCache {
             .try_index_mut((.., .., start..end, ..), keys.as_dtype(layout.dtype)?)?;
         kv.values
             .try_index_mut((.., .., start..end, ..), values.as_dtype(layout.dtype)?)?;
-        self.capacity = kv.keys.shape()[2] as usize;
         Ok((
             kv.keys.try_index((.., .., 0..end, ..))?,
             kv.values.try_index((.., .., 0..end, ..))?,
@@ -178,11 +256,13 @@ impl KvCache {
     /// Grows every layer's buffers to hold `t` more tokens and materialises them. Buffers
     /// that already have room are left as they are.
     fn reserve(&mut self, t: usize) -> Result<()> {
-        let needed = self.len + t;
-        let grow_to = needed.div_ceil(self.step_tokens) * self.step_tokens;
         let layout = self.layout;
-        let held = self.len as i32;
+        let (len, step) = (self.len, self.step_tokens);
         for slot in &mut self.layers {
+            let first = slot.as_ref().map_or(0, |kv| kv.first);
+            let needed = len - first + t;
+            let grow_to = needed.div_ceil(step) * step;
+            let held = (len - first) as i32;
             if matches!(slot, Some(kv) if kv.keys.shape()[2] as usize >= needed) {
                 continue;
             }
@@ -206,16 +286,48 @@ impl KvCache {
             };
             let keys = fresh(slot.as_ref().map(|kv| &kv.keys))?;
             let values = fresh(slot.as_ref().map(|kv| &kv.values))?;
-            *slot = Some(LayerKv { keys, values });
+            *slot = Some(LayerKv {
+                keys,
+                values,
+                first,
+            });
         }
-        self.eval()?;
-        self.capacity = self
-            .layers
-            .iter()
-            .flatten()
-            .map(|kv| kv.keys.shape()[2] as usize)
-            .min()
-            .unwrap_or(0);
+        self.eval()
+    }
+
+    /// Drops the rows of sliding-window layers that no query will see again and that are
+    /// not needed for export any more: rows of tokens before `keep_from` (the first token
+    /// not yet stored in a block) and more than a window (plus a step of slack, so that a
+    /// speculative rollback still finds its window) behind the end. Copies the kept rows into
+    /// a fresh buffer only once a whole step can be dropped, so a decode step rarely pays it.
+    pub fn release_window_rows(&mut self, keep_from: usize) -> Result<()> {
+        let Some(window) = self.layout.window else {
+            return Ok(());
+        };
+        let (len, step, layout) = (self.len, self.step_tokens, self.layout);
+        let drop_to = keep_from.min(len.saturating_sub(window.tokens + step));
+        for (layer, slot) in self.layers.iter_mut().enumerate() {
+            let Some(kv) = slot.as_mut().filter(|_| window.contains(layer)) else {
+                continue;
+            };
+            if drop_to < kv.first + step {
+                continue;
+            }
+            let (from, to) = ((drop_to - kv.first) as i32, (len - kv.first) as i32);
+            let rows = (len - drop_to + 1).div_ceil(step) * step;
+            let extra = [
+                1,
+                layout.kv_heads as i32,
+                (rows - (len - drop_to)) as i32,
+                layout.head_dim as i32,
+            ];
+            for buffer in [&mut kv.keys, &mut kv.values] {
+                let kept = buffer.try_index((.., .., from..to, ..))?;
+                *buffer = concatenate(&[kept, zeros_dtype(&extra, layout.dtype)?], 2)?;
+                buffer.eval()?;
+            }
+            kv.first = drop_to;
+        }
         Ok(())
     }
 
@@ -235,12 +347,12 @@ impl KvCache {
             )));
         }
         self.reserve(t)?;
-        let capacity = self.capacity;
         let mut layers = Vec::with_capacity(l.num_layers);
         for (layer, kv) in self.layers.iter().enumerate() {
             let kv = kv
                 .as_ref()
                 .ok_or_else(|| EngineError::Mlx(format!("layer {layer} has no KV buffers")))?;
+            let capacity = kv.keys.shape()[2] as usize;
             let mut pair = [std::ptr::null_mut(); 2];
             for (ptr, buffer) in pair.iter_mut().zip([&kv.keys, &kv.values]) {
                 // Materialised, row-major and of the full size (`reserve` made it so): the
@@ -260,14 +372,17 @@ impl KvCache {
                 // (the cache holds it, and it is borrowed by the handle).
                 *ptr = unsafe { mlx_sys::mlx_array_data_float32(buffer.as_ptr()) } as *mut f32;
             }
-            layers.push(pair);
+            layers.push(HostLayerKv {
+                buffers: pair,
+                capacity,
+                held: self.len - kv.first,
+                window: l.window_of(layer),
+            });
         }
         Ok(HostKv {
             layers,
             kv_heads: l.kv_heads,
             dim: l.head_dim,
-            capacity,
-            len: self.len,
             t,
             _cache: std::marker::PhantomData,
         })
@@ -286,7 +401,9 @@ impl KvCache {
         self.skipped += self.gaps.drain(..).map(|(_, gap)| gap).sum::<usize>();
     }
 
-    /// Forgets tokens after `len` (their slots are overwritten later).
+    /// Forgets tokens after `len` (their slots are overwritten later). Sliding-window layers
+    /// keep a step of rows beyond their window (`release_window_rows`), so a rollback of up
+    /// to a step still finds every row its next query sees.
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);
     }
@@ -311,13 +428,21 @@ impl KvCache {
         }
         let per_token = self.layout.bytes_per_token();
         let mut slices = Vec::with_capacity(2 * self.layers.len());
-        for kv in &self.layers {
+        for (layer, kv) in self.layers.iter().enumerate() {
             let kv = kv
                 .as_ref()
                 .ok_or_else(|| EngineError::Config("export from an empty cache".into()))?;
+            if start < kv.first {
+                return Err(EngineError::Config(format!(
+                    "export of tokens {start}..{end}: sliding-window layer {layer} released \
+                     the rows before {}",
+                    kv.first
+                )));
+            }
+            let (from, to) = ((start - kv.first) as i32, (end - kv.first) as i32);
             for buf in [&kv.keys, &kv.values] {
                 slices.push(
-                    buf.try_index((.., .., start as i32..end as i32, ..))?
+                    buf.try_index((.., .., from..to, ..))?
                         .flatten(None, None)?
                         .view::<u8>()?,
                 );
@@ -367,14 +492,21 @@ impl KvCache {
 /// (`KvCache::host_rows`): rows `len..len + t` of each layer are written, then attention
 /// reads rows `0..len + t`.
 pub struct HostKv<'a> {
-    /// Each layer's key and value buffers, `[kv_heads, capacity, dim]` f32.
-    layers: Vec<[*mut f32; 2]>,
+    layers: Vec<HostLayerKv>,
     kv_heads: usize,
     dim: usize,
-    capacity: usize,
-    len: usize,
     t: usize,
     _cache: std::marker::PhantomData<&'a mut KvCache>,
+}
+
+/// One layer's buffers in a `HostKv`.
+struct HostLayerKv {
+    /// Key and value buffers, `[kv_heads, capacity, dim]` f32.
+    buffers: [*mut f32; 2],
+    capacity: usize,
+    /// Rows held before this pass (tokens held less those a sliding window released).
+    held: usize,
+    window: Option<usize>,
 }
 
 // SAFETY: the handle owns exclusive access to the buffers (it borrows the cache mutably), and
@@ -392,7 +524,13 @@ impl HostKv<'_> {
     /// each (the projections' layout).
     pub fn write(&mut self, layer: usize, keys: &[f32], values: &[f32]) -> Result<()> {
         let width = self.kv_heads * self.dim;
-        let Some(&[k_buf, v_buf]) = self.layers.get(layer) else {
+        let Some(&HostLayerKv {
+            buffers: [k_buf, v_buf],
+            capacity,
+            held,
+            ..
+        }) = self.layers.get(layer)
+        else {
             return Err(EngineError::Config(format!("layer {layer} out of range")));
         };
         if keys.len() != self.t * width || values.len() != keys.len() {
@@ -407,8 +545,8 @@ impl HostKv<'_> {
             for i in 0..self.t {
                 for h in 0..self.kv_heads {
                     let src = &rows[i * width + h * self.dim..][..self.dim];
-                    let at = (h * self.capacity + self.len + i) * self.dim;
-                    // SAFETY: `len + t <= capacity` (`reserve`) and `h < kv_heads`, so the row
+                    let at = (h * capacity + held + i) * self.dim;
+                    // SAFETY: `held + t <= capacity` (`reserve`) and `h < kv_heads`, so the row
                     // lies inside the buffer; `&mut self` excludes any slice of it from
                     // `buffers` being alive.
                     unsafe {
@@ -420,10 +558,16 @@ impl HostKv<'_> {
         Ok(())
     }
 
-    /// `layer`'s buffers for the attention kernel, rows `0..len + t` visible.
+    /// `layer`'s buffers for the attention kernel, every row held visible (and its window,
+    /// for a sliding-window layer).
     pub fn buffers(&self, layer: usize) -> Option<strata_cpu_kernels::attention::CacheBuffers<'_>> {
-        let &[k_buf, v_buf] = self.layers.get(layer)?;
-        let size = self.kv_heads * self.capacity * self.dim;
+        let &HostLayerKv {
+            buffers: [k_buf, v_buf],
+            capacity,
+            held,
+            window,
+        } = self.layers.get(layer)?;
+        let size = self.kv_heads * capacity * self.dim;
         // SAFETY: each buffer holds `size` floats (checked in `host_rows`), and no write
         // happens while these shared slices live (`write` takes `&mut self`).
         let (keys, values) = unsafe {
@@ -436,9 +580,10 @@ impl HostKv<'_> {
             keys,
             values,
             kv_heads: self.kv_heads,
-            capacity: self.capacity,
+            capacity,
             dim: self.dim,
-            visible: self.len + self.t,
+            visible: held + self.t,
+            window,
         })
     }
 }
@@ -506,7 +651,6 @@ impl KvCache {
         }
         self.layers = layers;
         self.len = total;
-        self.capacity = capacity;
         Ok(())
     }
 }
@@ -545,7 +689,11 @@ fn import_layers(
             *slot = Some(array_from_bytes(&buf, &shape, l.dtype)?);
         }
         if let [Some(keys), Some(values)] = pair {
-            out.push(LayerKv { keys, values });
+            out.push(LayerKv {
+                keys,
+                values,
+                first: 0,
+            });
         }
     }
     Ok(out)
@@ -595,6 +743,7 @@ mod tests {
             kv_heads: 2,
             head_dim: 4,
             dtype: Dtype::Float32,
+            window: None,
         };
         let values = |n: usize, seed: f32| -> Vec<u8> {
             (0..n * layout.bytes_per_token() / 4)
@@ -623,6 +772,7 @@ mod tests {
             kv_heads: 2,
             head_dim: 4,
             dtype: Dtype::Float32,
+            window: None,
         };
         let width = layout.kv_heads * layout.head_dim;
         // Token i's K row: head-major values [t, kv_heads * dim], V rows negated.
@@ -678,6 +828,7 @@ mod tests {
             kv_heads: 1,
             head_dim: 4,
             dtype: Dtype::Float32,
+            window: None,
         };
         let mut cache = KvCache::new(layout, 16);
         assert_eq!(cache.position_runs(5), vec![(0, 5, 0)]);

@@ -1,7 +1,9 @@
 //! The Llama-family decoder: pre-norm blocks of grouped-query attention with RoPE and a SwiGLU
 //! MLP. Llama 1-3.x, SmolLM2, Mistral; Qwen2 (q/k/v biases); Qwen3 (an RMSNorm on each query
 //! and key head); Phi-3 (fused projections on disk, partial rotary, longrope); SmolLM3 (NoPE
-//! layers). The differences are all in `ModelConfig` and in which tensors a layer has.
+//! layers); Gemma 3 (sliding-window layers with their own RoPE base, norms on the outputs of
+//! attention and the MLP, GELU, a scaled embedding). The differences are all in `ModelConfig`
+//! and in which tensors a layer has.
 //!
 //! `forward` runs a *ragged batch*: several sequences, each with its own new tokens and its own
 //! KV cache at its own offset, in one pass. Projections and MLPs run once over all tokens (the
@@ -15,12 +17,13 @@ use mlx_rs::{Array, Dtype};
 
 use super::config::{Architecture, ModelConfig};
 use super::cpu_attention::{self, AttentionInput};
-use super::kv::{KvCache, KvLayout};
+use super::kv::{KvCache, KvLayout, WindowedLayers};
 use super::policy::DtypePolicy;
 use super::weights::{Linear, Matrix, TensorStore};
 use super::{EngineError, Result};
 
 mod host_step;
+mod moe;
 
 /// How a file names its tensors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,6 +68,13 @@ impl TensorNaming {
             (Self::Gguf, "down") => gguf("ffn_down"),
             (Self::Gguf, "q_norm") => gguf("attn_q_norm.weight"),
             (Self::Gguf, "k_norm") => gguf("attn_k_norm.weight"),
+            (Self::Gguf, "attn_out_norm") => gguf("post_attention_norm.weight"),
+            (Self::Gguf, "mlp_out_norm") => gguf("post_ffw_norm.weight"),
+            // Gemma's pre-MLP norm has the name other families' MLP norm has.
+            (Self::Gguf, "gemma_mlp_norm") => gguf("ffn_norm.weight"),
+            // Phi-3: q, k, v in one matrix; gate and up in one, under the up projection's name.
+            (Self::Gguf, "qkv") => gguf("attn_qkv"),
+            (Self::Gguf, "gate_up") => gguf("ffn_up"),
             (Self::HuggingFace, "attn_norm") => hf("input_layernorm.weight"),
             (Self::HuggingFace, "mlp_norm") => hf("post_attention_layernorm.weight"),
             (Self::HuggingFace, "q") => hf("self_attn.q_proj"),
@@ -78,6 +88,11 @@ impl TensorNaming {
             (Self::HuggingFace, "k_norm") => hf("self_attn.k_norm.weight"),
             (Self::HuggingFace, "qkv") => hf("self_attn.qkv_proj"),
             (Self::HuggingFace, "gate_up") => hf("mlp.gate_up_proj"),
+            // Gemma: `post_attention_layernorm` is the norm on attention's output, and the
+            // MLP's input norm is `pre_feedforward_layernorm`.
+            (Self::HuggingFace, "attn_out_norm") => hf("post_attention_layernorm.weight"),
+            (Self::HuggingFace, "gemma_mlp_norm") => hf("pre_feedforward_layernorm.weight"),
+            (Self::HuggingFace, "mlp_out_norm") => hf("post_feedforward_layernorm.weight"),
             (_, other) => format!("unknown part {other}"),
         }
     }
@@ -93,9 +108,32 @@ struct Layer {
     q_norm: Option<Array>,
     k_norm: Option<Array>,
     mlp_norm: Array,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+    ffn: FeedForward,
+    /// Gemma's norms on the outputs of attention and of the MLP, before the residual adds.
+    attn_out_norm: Option<Array>,
+    mlp_out_norm: Option<Array>,
+}
+
+/// A layer's MLP: one gated MLP, or a mixture of experts.
+enum FeedForward {
+    Dense {
+        gate: Linear,
+        up: Linear,
+        down: Linear,
+    },
+    Experts(Box<moe::MoeMlp>),
+}
+
+impl Layer {
+    /// The seven projections of a layer with a dense MLP (q, k, v, o, gate, up, down).
+    fn dense_projections(&self) -> Option<[&Linear; 7]> {
+        match &self.ffn {
+            FeedForward::Dense { gate, up, down } => {
+                Some([&self.q, &self.k, &self.v, &self.o, gate, up, down])
+            }
+            FeedForward::Experts(_) => None,
+        }
+    }
 }
 
 /// How positions enter attention, precomputed from the config.
@@ -120,6 +158,8 @@ pub struct Model {
     /// Norms, biases and RoPE frequencies for passes of a few rows computed wholly on the CPU
     /// (`host_step`); None off a CPU or where a matrix is not f32-readable.
     host: Option<host_step::HostWeights>,
+    /// The sliding-window layers, as the KV cache keeps them.
+    window: Option<WindowedLayers>,
 }
 
 /// What a forward pass returns.
@@ -134,9 +174,16 @@ enum Outputs {
 }
 
 /// Softmax attention weights of queries `q` (`[1, heads, t, dim]`, RoPE applied) over `keys`
-/// (`[1, kv_heads, held + t, dim]`), causal, averaged over heads and queries: `[held + t]`.
-/// Grouped-query heads share their KV head, as in attention itself.
-fn attention_weights(q: &Array, keys: &Array, held: i32, scale: f32) -> Result<Array> {
+/// (`[1, kv_heads, held + t, dim]`), causal (and within `window` positions of each query for
+/// a windowed layer), averaged over heads and queries: `[held + t]`. Grouped-query heads
+/// share their KV head, as in attention itself.
+fn attention_weights(
+    q: &Array,
+    keys: &Array,
+    held: i32,
+    scale: f32,
+    window: Option<usize>,
+) -> Result<Array> {
     let (heads, t, dim) = (q.shape()[1], q.shape()[2], q.shape()[3]);
     let kv_heads = keys.shape()[1];
     let positions = keys.shape()[2];
@@ -150,13 +197,63 @@ fn attention_weights(q: &Array, keys: &Array, held: i32, scale: f32) -> Result<A
     let mut mask = vec![0f32; rows * positions as usize];
     for r in 0..rows {
         let last = (held + (r as i32 % t)) as usize;
-        for m in &mut mask[r * positions as usize + last + 1..(r + 1) * positions as usize] {
-            *m = f32::NEG_INFINITY;
+        let row = &mut mask[r * positions as usize..(r + 1) * positions as usize];
+        let first = window.map_or(0, |w| (last + 1).saturating_sub(w));
+        for (k, m) in row.iter_mut().enumerate() {
+            if k < first || k > last {
+                *m = f32::NEG_INFINITY;
+            }
         }
     }
     let mask = Array::from_slice(&mask, &[group * t, positions]);
     let weights = mlx_rs::ops::softmax_axis(scores.add(&mask)?, -1, true)?;
     Ok(weights.mean_axes(&[0, 1, 2], false)?)
+}
+
+/// MLX's fused attention of `q` over `keys`/`values` (`[1, heads, positions, dim]`, the new
+/// tokens last): causal, and for a windowed layer each query sees its last `window` positions
+/// only (an explicit mask; a single query just reads the window's rows).
+fn fused_attention(
+    q: &Array,
+    keys: &Array,
+    values: &Array,
+    scale: f32,
+    window: Option<usize>,
+) -> Result<Array> {
+    let t = q.shape()[2];
+    let positions = keys.shape()[2];
+    let Some(w) = window.filter(|&w| (w as i32) < positions) else {
+        let mask = (t > 1).then_some(ScaledDotProductAttentionMask::Causal);
+        return Ok(fast::scaled_dot_product_attention(
+            q, keys, values, scale, mask, None,
+        )?);
+    };
+    let held = positions - t;
+    if t == 1 {
+        let from = positions - w as i32;
+        let keys = keys.try_index((.., .., from.., ..))?;
+        let values = values.try_index((.., .., from.., ..))?;
+        return Ok(fast::scaled_dot_product_attention(
+            q, &keys, &values, scale, None, None,
+        )?);
+    }
+    let mut mask = vec![f32::NEG_INFINITY; (t * positions) as usize];
+    for i in 0..t {
+        let last = held + i;
+        let first = (last + 1 - w as i32).max(0);
+        for k in first..=last {
+            mask[(i * positions + k) as usize] = 0.0;
+        }
+    }
+    let mask = Array::from_slice(&mask, &[t, positions]).as_dtype(q.dtype())?;
+    Ok(fast::scaled_dot_product_attention(
+        q,
+        keys,
+        values,
+        scale,
+        ScaledDotProductAttentionMask::Array(&mask),
+        None,
+    )?)
 }
 
 /// Whether passes of a few rows run on the host kernels (`host_step`) on a CPU;
@@ -186,7 +283,7 @@ impl Model {
         config.validate()?;
         let mut layers = Vec::with_capacity(config.num_layers);
         for i in 0..config.num_layers {
-            let name = |part| naming.layer(i, part);
+            let name = |part: &str| naming.layer(i, part);
             let (q, k, v) = if config.arch == Architecture::Phi3
                 && store.contains(&format!("{}.weight", name("qkv")))
             {
@@ -206,7 +303,9 @@ impl Model {
                     store.linear(&name("v"), policy)?,
                 )
             };
-            let (gate, up) = if config.arch == Architecture::Phi3
+            let (gate, up) = if config.is_moe_layer(i) {
+                (None, None)
+            } else if config.arch == Architecture::Phi3
                 && store.contains(&format!("{}.weight", name("gate_up")))
             {
                 // Phi-3's gate and up projections, one matrix, gate rows first.
@@ -215,54 +314,89 @@ impl Model {
                     .linear_split(&name("gate_up"), &[n, n], policy)?
                     .into_iter();
                 match (parts.next(), parts.next()) {
-                    (Some(gate), Some(up)) => (gate, up),
+                    (Some(gate), Some(up)) => (Some(gate), Some(up)),
                     _ => return Err(EngineError::Mlx("gate_up split lost a part".into())),
                 }
             } else {
                 (
-                    store.linear(&name("gate"), policy)?,
-                    store.linear(&name("up"), policy)?,
+                    Some(store.linear(&name("gate"), policy)?),
+                    Some(store.linear(&name("up"), policy)?),
                 )
             };
+            let ffn = match (gate, up, &config.experts) {
+                (Some(gate), Some(up), _) => FeedForward::Dense {
+                    gate,
+                    up,
+                    down: store.linear(&name("down"), policy)?,
+                },
+                (_, _, Some(experts)) if naming == TensorNaming::HuggingFace => {
+                    FeedForward::Experts(Box::new(moe::MoeMlp::load(store, i, experts, policy)?))
+                }
+                _ => {
+                    return Err(EngineError::Config(
+                        "mixture-of-experts layers are read from safetensors folders only".into(),
+                    ));
+                }
+            };
+            let gemma = config.arch.is_gemma();
+            // Gemma's Hugging Face files store each norm as its offset from 1 (its RMSNorm
+            // scales by 1 + weight, computed in the weight's dtype, as here); llama.cpp's
+            // converter folds the 1 into GGUF files.
+            let norm_offset = gemma && naming == TensorNaming::HuggingFace;
+            let norm = |part: &str| -> Result<Array> {
+                let weight = store.vector(&name(part), policy)?;
+                Ok(if norm_offset {
+                    weight.add(Array::from_f32(1.0).as_dtype(weight.dtype())?)?
+                } else {
+                    weight
+                })
+            };
             let (q_norm, k_norm) = if config.arch.has_qk_norm() {
-                (
-                    Some(store.vector(&name("q_norm"), policy)?),
-                    Some(store.vector(&name("k_norm"), policy)?),
-                )
+                (Some(norm("q_norm")?), Some(norm("k_norm")?))
+            } else {
+                (None, None)
+            };
+            let (attn_out_norm, mlp_out_norm) = if gemma {
+                (Some(norm("attn_out_norm")?), Some(norm("mlp_out_norm")?))
             } else {
                 (None, None)
             };
             let layer = Layer {
-                attn_norm: store.vector(&name("attn_norm"), policy)?,
+                attn_norm: norm("attn_norm")?,
                 q,
                 k,
                 v,
                 o: store.linear(&name("o"), policy)?,
                 q_norm,
                 k_norm,
-                mlp_norm: store.vector(&name("mlp_norm"), policy)?,
-                gate,
-                up,
-                down: store.linear(&name("down"), policy)?,
+                mlp_norm: norm(if gemma { "gemma_mlp_norm" } else { "mlp_norm" })?,
+                ffn,
+                attn_out_norm,
+                mlp_out_norm,
             };
             // Materialise layer by layer: dequantising everything lazily first would hold the
             // packed and the expanded weights at once. Everything is evaluated here, norms and
             // biases too: a lazy array is bound to this thread's MLX stream, and the engine
             // runs on another thread (safetensors loads are lazy).
-            for m in [
-                &layer.q,
-                &layer.k,
-                &layer.v,
-                &layer.o,
-                &layer.gate,
-                &layer.up,
-                &layer.down,
-            ] {
+            for m in [&layer.q, &layer.k, &layer.v, &layer.o] {
                 m.eval()?;
+            }
+            if let FeedForward::Dense { gate, up, down } = &layer.ffn {
+                for m in [gate, up, down] {
+                    m.eval()?;
+                }
             }
             layer.attn_norm.eval()?;
             layer.mlp_norm.eval()?;
-            for norm in layer.q_norm.iter().chain(&layer.k_norm) {
+            for norm in [
+                &layer.q_norm,
+                &layer.k_norm,
+                &layer.attn_out_norm,
+                &layer.mlp_out_norm,
+            ]
+            .into_iter()
+            .flatten()
+            {
                 norm.eval()?;
             }
             layers.push(layer);
@@ -277,9 +411,17 @@ impl Model {
         } else {
             None
         };
-        let final_norm = store.vector(naming.final_norm(), policy)?;
+        let mut final_norm = store.vector(naming.final_norm(), policy)?;
+        if config.arch.is_gemma() && naming == TensorNaming::HuggingFace {
+            final_norm = final_norm.add(Array::from_f32(1.0).as_dtype(final_norm.dtype())?)?;
+        }
         final_norm.eval()?;
         let rotary = Rotary::new(&config, policy)?;
+        let window = config
+            .sliding_window
+            .as_ref()
+            .map(|w| WindowedLayers::new(w.tokens, &w.layers))
+            .transpose()?;
         let cpu = crate::mlx_device::default_device_kind() == "cpu";
         let mut model = Self {
             config,
@@ -291,6 +433,7 @@ impl Model {
             rotary,
             cpu_attention: cpu,
             host: None,
+            window,
         };
         if cpu && host_steps_enabled() {
             model.host = host_step::HostWeights::new(&model)?;
@@ -315,10 +458,12 @@ impl Model {
     /// Bytes of the weights kept as codes for the few-rows kernel (0 unless a CPU serves a
     /// quantised file).
     pub fn weight_code_bytes(&self) -> usize {
-        let layers = self
-            .layers
-            .iter()
-            .flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down].map(|lin| &lin.matrix));
+        let layers = self.layers.iter().flat_map(|l| {
+            l.dense_projections()
+                .into_iter()
+                .flatten()
+                .map(|lin| &lin.matrix)
+        });
         layers
             .chain(std::iter::once(&self.embed))
             .chain(self.head.as_ref())
@@ -342,6 +487,7 @@ impl Model {
             kv_heads: self.config.num_kv_heads,
             head_dim: self.config.head_dim,
             dtype: self.policy.kv,
+            window: self.window,
         }
     }
 
@@ -389,7 +535,11 @@ impl Model {
     /// The input embeddings `[N, D]` of token ids (unchecked: `forward` validates them).
     pub fn embed_tokens(&self, ids: &[u32]) -> Result<Array> {
         let ids = Array::from_slice(ids, &[ids.len() as i32]);
-        self.embed.rows(&ids, self.policy.compute)
+        let rows = self.embed.rows(&ids, self.policy.compute)?;
+        match self.config.embed_scale {
+            Some(scale) => Ok(rows.multiply(Array::from_f32(scale).as_dtype(rows.dtype())?)?),
+            None => Ok(rows),
+        }
     }
 
     /// `forward` from input embeddings `[N, D]` (one row per token of `batch`, in order), for
@@ -442,13 +592,14 @@ impl Model {
         }
 
         let (h, hk, hd) = (c.num_heads as i32, c.num_kv_heads as i32, c.head_dim as i32);
-        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        let scale = c.attention_scale;
         let mut attention: Option<Array> = None;
         // A decode step or a short chunk: products by the few-rows CPU kernel (`strata_cpu_kernels::matmul`).
         let few = self.cpu_attention
             && at as usize
                 <= strata_cpu_kernels::matmul::MAX_ROWS.max(super::weights::PACKED_MAX_ROWS);
         for (li, layer) in self.layers.iter().enumerate() {
+            let window = c.window_of(li);
             let normed = fast::rms_norm(&x, Some(&layer.attn_norm), c.rms_norm_eps)?;
             let [q, k, v] = Linear::forward_group([&layer.q, &layer.k, &layer.v], &normed, few)?;
             // Each sequence's queries (RoPE applied) and everything its cache holds.
@@ -472,7 +623,7 @@ impl Model {
                     q = fast::rms_norm(&q, Some(qn), c.rms_norm_eps)?;
                     k = fast::rms_norm(&k, Some(kn), c.rms_norm_eps)?;
                 }
-                let q = self.rope_runs(&q, li, &positions)?;
+                let q = self.scale_queries(self.rope_runs(&q, li, &positions)?, &positions)?;
                 let k = self.rope_runs(&k, li, &positions)?;
                 let v = heads(rows(&v)?, hk)?;
                 let (keys, values) = seq.cache.append(li, &k, &v)?;
@@ -482,7 +633,7 @@ impl Model {
                     (keys.as_dtype(q.dtype())?, values.as_dtype(q.dtype())?)
                 };
                 if want == Outputs::AttentionScores {
-                    let weights = attention_weights(&q, &keys, held, scale)?;
+                    let weights = attention_weights(&q, &keys, held, scale, window)?;
                     attention = Some(match attention.take() {
                         Some(sum) => sum.add(&weights)?,
                         None => weights,
@@ -497,7 +648,7 @@ impl Model {
                 });
             if few_queries {
                 let attn = self.few_queries_attention(batch, li, &inputs, scale)?;
-                x = x.add(layer.o.forward_on(&attn, few)?)?;
+                x = self.attention_residual(layer, &x, &attn, few)?;
                 x = self.mlp(layer, &x, few)?;
                 continue;
             }
@@ -508,18 +659,19 @@ impl Model {
             let attended = if ours {
                 let views: Vec<AttentionInput<'_>> = inputs
                     .iter()
-                    .map(|(q, keys, values)| AttentionInput { q, keys, values })
+                    .map(|(q, keys, values)| AttentionInput {
+                        q,
+                        keys,
+                        values,
+                        window,
+                    })
                     .collect();
                 cpu_attention::attention(&views, scale)?
             } else {
                 inputs
                     .iter()
-                    .map(|(q, keys, values)| {
-                        let mask =
-                            (q.shape()[2] > 1).then_some(ScaledDotProductAttentionMask::Causal);
-                        fast::scaled_dot_product_attention(q, keys, values, scale, mask, None)
-                    })
-                    .collect::<std::result::Result<Vec<_>, _>>()?
+                    .map(|(q, keys, values)| fused_attention(q, keys, values, scale, window))
+                    .collect::<Result<Vec<_>>>()?
             };
             let mut outputs = Vec::with_capacity(batch.len());
             for (attn, &(start, end)) in attended.into_iter().zip(&ranges) {
@@ -533,7 +685,7 @@ impl Model {
             } else {
                 concatenate(&outputs, 0)?
             };
-            x = x.add(layer.o.forward_on(&attn, few)?)?;
+            x = self.attention_residual(layer, &x, &attn, few)?;
             x = self.mlp(layer, &x, few)?;
         }
         for (seq, &(start, end)) in batch.iter_mut().zip(&ranges) {
@@ -566,12 +718,44 @@ impl Model {
         Ok(logits.as_dtype(Dtype::Float32)?)
     }
 
+    /// The residual stream after attention: `x + o(attn)`, the output normalised first in
+    /// Gemma.
+    fn attention_residual(
+        &self,
+        layer: &Layer,
+        x: &Array,
+        attn: &Array,
+        few: bool,
+    ) -> Result<Array> {
+        let out = layer.o.forward_on(attn, few)?;
+        let out = match &layer.attn_out_norm {
+            Some(norm) => fast::rms_norm(&out, Some(norm), self.config.rms_norm_eps)?,
+            None => out,
+        };
+        Ok(x.add(out)?)
+    }
+
     /// The residual stream after the layer's MLP.
     fn mlp(&self, layer: &Layer, x: &Array, few: bool) -> Result<Array> {
-        let normed = fast::rms_norm(x, Some(&layer.mlp_norm), self.config.rms_norm_eps)?;
-        let [gate, up] = Linear::forward_group([&layer.gate, &layer.up], &normed, few)?;
-        let gate = mlx_rs::nn::silu(gate)?;
-        Ok(x.add(layer.down.forward_on(&gate.multiply(&up)?, few)?)?)
+        let eps = self.config.rms_norm_eps;
+        let normed = fast::rms_norm(x, Some(&layer.mlp_norm), eps)?;
+        let out = match &layer.ffn {
+            FeedForward::Experts(experts) => experts.forward(&normed, few)?,
+            FeedForward::Dense { gate, up, down } => {
+                let [gate, up] = Linear::forward_group([gate, up], &normed, few)?;
+                let gate = if self.config.arch.is_gemma() {
+                    mlx_rs::nn::gelu_approximate(gate)?
+                } else {
+                    mlx_rs::nn::silu(gate)?
+                };
+                down.forward_on(&gate.multiply(&up)?, few)?
+            }
+        };
+        let out = match &layer.mlp_out_norm {
+            Some(norm) => fast::rms_norm(&out, Some(norm), eps)?,
+            None => out,
+        };
+        Ok(x.add(out)?)
     }
 
     /// Attention of layer `li` for sequences of a few new queries each, read from their caches
@@ -609,6 +793,7 @@ impl Model {
                 capacity: kb.shape()[2] as usize,
                 dim: c.head_dim,
                 visible: keys.shape()[2] as usize,
+                window: c.window_of(li),
             };
             let out =
                 strata_cpu_kernels::attention::few_queries(read(q)?, c.num_heads, t, cache, scale);
@@ -626,11 +811,47 @@ impl Model {
         })
     }
 
+    /// Ministral 3's queries (`[1, heads, t, dim]`, at `runs` of positions) times their
+    /// position's factor (`QueryScaling`); other families' as they are.
+    fn scale_queries(&self, q: Array, runs: &[(usize, usize, usize)]) -> Result<Array> {
+        let Some(scaling) = self.config.query_scaling else {
+            return Ok(q);
+        };
+        let factors: Vec<f32> = runs
+            .iter()
+            .flat_map(|&(_, len, first)| (first..first + len).map(|p| scaling.factor(p)))
+            .collect();
+        let factors = Array::from_slice(&factors, &[1, 1, factors.len() as i32, 1]);
+        Ok(q.multiply(factors.as_dtype(q.dtype())?)?)
+    }
+
     /// RoPE of layer `li` over `[1, heads, t, dim]` whose tokens sit at `runs` of positions
     /// (one run unless pruned prompt positions were skipped inside the chunk).
     fn rope_runs(&self, x: &Array, li: usize, runs: &[(usize, usize, usize)]) -> Result<Array> {
         if self.config.no_rope_layers.contains(&li) {
             return Ok(x.clone());
+        }
+        if let Some(w) = &self.config.sliding_window
+            && let Some(theta) = w.rope_theta
+            && w.layers.contains(&li)
+        {
+            // Gemma's local layers: their own base, none of the global layers' scaling.
+            let (_, _, position) = runs.first().copied().unwrap_or_default();
+            if runs.len() > 1 {
+                return Err(EngineError::Config(
+                    "skipped positions (SpecPrefill) in a sliding-window model".into(),
+                ));
+            }
+            let dims = self.config.rope_dims as i32;
+            return Ok(fast::rope(
+                x,
+                dims,
+                self.config.rope_traditional,
+                Some(theta),
+                1.0,
+                position as i32,
+                None,
+            )?);
         }
         let x = match &self.rotary.input_scale {
             Some(scale) => x.multiply(scale)?,

@@ -53,7 +53,14 @@ pub struct LoadedModel {
 }
 
 /// Tokens that end a turn in the templates we meet, besides the declared EOS.
-const TURN_END_TOKENS: &[&str] = &["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>"];
+const TURN_END_TOKENS: &[&str] = &[
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|end|>",
+    // Gemma: its EOS is `<eos>`, a turn ends with this.
+    "<end_of_turn>",
+];
 
 /// A GGUF file without the extension: Ollama keeps its weights as `blobs/sha256-<hex>`.
 fn starts_with_gguf_magic(path: &Path) -> bool {
@@ -263,12 +270,38 @@ fn open_folder(dir: &Path, policy: DtypePolicy) -> Result<OpenedFolder> {
         };
         return Ok((text, Some(vision), tokenizer, template));
     }
+    // Gemma 3 4B-27B and Mistral's 2512 models as published: the text decoder inside a
+    // vision-language checkpoint.
+    let wrapper = raw
+        .get("model_type")
+        .and_then(|t| t.as_str())
+        .filter(|t| ["gemma3", "mistral3"].contains(t))
+        .map(str::to_string);
+    let language_model = wrapper.is_some();
+    let raw = match wrapper.as_deref() {
+        Some("gemma3") => gemma3_text_config(&raw)?,
+        Some(_) => mistral3_text_config(&raw)?,
+        None => raw,
+    };
     let hf: HfConfig = serde_json::from_value(raw)
         .map_err(|e| EngineError::Load(format!("{}: {e}", dir.join("config.json").display())))?;
     let config = hf.to_model_config()?;
     let mut tensors: HashMap<String, Array> = HashMap::new();
     for file in safetensors_files(dir)? {
         tensors.extend(load_safetensors(&file)?);
+    }
+    if language_model {
+        let before = tensors.len();
+        tensors = tensors
+            .into_iter()
+            .filter_map(|(name, t)| Some((language_model_tensor(&name)?, t)))
+            .collect();
+        tracing::warn!(
+            model_type = wrapper.as_deref().unwrap_or_default(),
+            dropped_tensors = before - tensors.len(),
+            "vision-language checkpoint: the text decoder is served, the vision tower is not \
+             loaded (requests with images are refused)"
+        );
     }
     let quant = match &hf.quantization {
         Some(q) => QuantSpec::from_mlx_config(q)?,
@@ -285,6 +318,92 @@ fn open_folder(dir: &Path, policy: DtypePolicy) -> Result<OpenedFolder> {
     let store = TensorStore::new(tensors, quant);
     let model = Model::load(config, &store, TensorNaming::HuggingFace, policy)?;
     Ok((model, None, tokenizer, template))
+}
+
+/// Where a Gemma 3 vision-language checkpoint keeps its text decoder's tensors (Hugging Face's
+/// and mlx-community's layout).
+const LANGUAGE_MODEL: &str = "language_model.";
+
+/// A text decoder's tensor of a vision-language checkpoint under the decoder's own name:
+/// `language_model.X` -> `X`, Hugging Face's newer `model.language_model.X` -> `model.X`,
+/// others (a top-level `lm_head`) as they are; None for the vision tower's and projector's
+/// (mlx-lm's `gemma3` and `mistral3` sanitizers).
+fn language_model_tensor(name: &str) -> Option<String> {
+    if name.contains("vision_tower") || name.contains("multi_modal_projector") {
+        return None;
+    }
+    if let Some(rest) = name.strip_prefix("model.language_model.") {
+        return Some(format!("model.{rest}"));
+    }
+    Some(
+        name.strip_prefix(LANGUAGE_MODEL)
+            .unwrap_or(name)
+            .to_string(),
+    )
+}
+
+/// The text decoder config of a `mistral3` config.json: its `text_config` (an untied head
+/// unless it says otherwise, as mlx-lm's `mistral3.ModelArgs` reads it), with the
+/// quantisation's per-module keys moved to the decoder's own names.
+fn mistral3_text_config(raw: &serde_json::Value) -> Result<serde_json::Value> {
+    let mut config = raw
+        .get("text_config")
+        .filter(|t| t.is_object())
+        .cloned()
+        .ok_or_else(|| EngineError::Load("a mistral3 config.json without text_config".into()))?;
+    if config.get("tie_word_embeddings").is_none() {
+        config["tie_word_embeddings"] = false.into();
+    }
+    move_quantization(raw, &mut config);
+    Ok(config)
+}
+
+/// A vision-language config's `quantization` into its decoder's config, the per-module keys
+/// under the decoder's own tensor names.
+fn move_quantization(raw: &serde_json::Value, text: &mut serde_json::Value) {
+    if let Some(quant) = raw.get("quantization").and_then(|q| q.as_object()) {
+        let moved: serde_json::Map<String, serde_json::Value> = quant
+            .iter()
+            .map(|(k, v)| (language_model_tensor(k).unwrap_or(k.clone()), v.clone()))
+            .collect();
+        text["quantization"] = moved.into();
+    }
+}
+
+/// The `gemma3_text` config of a `gemma3` (vision-language) config.json: its `text_config`
+/// over the defaults mlx-lm 0.32.2 fills in (`gemma3_text.ModelArgs`, and `gemma3.ModelArgs`'s
+/// vocabulary and head counts; published configs leave most of them out), with the
+/// quantisation's per-module keys moved out of `language_model.`.
+fn gemma3_text_config(raw: &serde_json::Value) -> Result<serde_json::Value> {
+    let text = raw
+        .get("text_config")
+        .and_then(|t| t.as_object())
+        .ok_or_else(|| EngineError::Load("a gemma3 config.json without text_config".into()))?;
+    let mut config = serde_json::json!({
+        "hidden_size": 1152,
+        "num_hidden_layers": 26,
+        "intermediate_size": 6912,
+        "head_dim": 256,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 512,
+        "sliding_window_pattern": 6,
+        "max_position_embeddings": 32768,
+    });
+    for (key, value) in text {
+        config[key] = value.clone();
+    }
+    config["model_type"] = "gemma3_text".into();
+    config["vocab_size"] = raw.get("vocab_size").cloned().unwrap_or(262_208.into());
+    for (key, default) in [("num_attention_heads", 8), ("num_key_value_heads", 4)] {
+        if config.get(key).is_none_or(|v| v.is_null()) {
+            config[key] = default.into();
+        }
+    }
+    move_quantization(raw, &mut config);
+    Ok(config)
 }
 
 /// `chat_template.jinja`, or the `chat_template` field of `chat_template.json`.

@@ -285,6 +285,7 @@ impl Sequence {
         };
         out.eval()?;
         self.prefilled = end;
+        let storing = on_block.is_some();
         if let Some(sink) = on_block {
             let b = self.block;
             let done = (self.cache.len() / b).min(len / b);
@@ -311,7 +312,19 @@ impl Sequence {
             self.prefill_logits = Some(out.as_slice::<f32>().to_vec());
             self.prefill_time = Some(self.started.elapsed());
         }
-        Ok(())
+        self.release_window_rows(storing)
+    }
+
+    /// Lets sliding-window layers drop the rows no query sees again, keeping those a block
+    /// still to be stored will export (`storing`: blocks of this sequence go to the cache).
+    fn release_window_rows(&mut self, storing: bool) -> Result<()> {
+        let exported_later = storing && (self.needs_prefill() || self.store_decode);
+        let keep_from = if exported_later {
+            self.stored_blocks * self.block
+        } else {
+            usize::MAX
+        };
+        self.cache.release_window_rows(keep_from)
     }
 
     /// SpecPrefill: the first steps let the draft read the prompt (a chunk per step) and
@@ -493,6 +506,8 @@ impl Sequence {
                     .sample_allowed(logits, Some(&|i: usize| mask.is_allowed(i as u32)))
             }
         };
+        // Decode blocks are stored at the end (`finish_blocks`) in the default mode.
+        self.release_window_rows(true)?;
         self.take(model, sampled, emit)
     }
 

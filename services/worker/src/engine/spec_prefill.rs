@@ -57,6 +57,14 @@ pub fn plan(model: &LoadedModel, req: &GenerateRequest) -> Plan {
         Some(_) if !req.images.is_empty() => {
             "the prompt has images, and the draft reads text only".to_string()
         }
+        // Skipped positions and attention scores over the whole prompt do not fit layers
+        // that keep only a window of it.
+        Some(d)
+            if model.model.config().sliding_window.is_some()
+                || d.model.config().sliding_window.is_some() =>
+        {
+            "the model has sliding-window layers".to_string()
+        }
         Some(_) if n < MIN_PROMPT_TOKENS => {
             format!("the prompt has {n} tokens; pruning starts at {MIN_PROMPT_TOKENS}")
         }

@@ -536,6 +536,7 @@ mod tests {
             kv_heads: 1,
             head_dim: 64,
             dtype: mlx_rs::Dtype::Float32,
+            window: None,
         };
         let cache = |q| PrefixCache::new(None, 1 << 20, "model", 4, layout, q);
         let (plain, q8, q4) = (

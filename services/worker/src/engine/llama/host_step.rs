@@ -45,6 +45,8 @@ pub(super) struct HostWeights {
     inv_freqs: Vec<f32>,
     /// Longrope's factor on the rotated dimensions (`[head_dim]`).
     input_scale: Option<Vec<f32>>,
+    /// Sliding-window layers' inverse frequencies (their own base, unscaled).
+    window_inv_freqs: Option<Vec<f32>>,
 }
 
 struct HostLayer {
@@ -52,6 +54,9 @@ struct HostLayer {
     mlp_norm: Vec<f32>,
     q_norm: Option<Vec<f32>>,
     k_norm: Option<Vec<f32>>,
+    /// Gemma's norms on the outputs of attention and of the MLP.
+    attn_out_norm: Option<Vec<f32>>,
+    mlp_out_norm: Option<Vec<f32>>,
     /// Biases of q, k, v, o, gate, up, down.
     biases: [Option<Vec<f32>>; 7],
 }
@@ -75,10 +80,18 @@ impl HostWeights {
     /// cannot be read as f32 (MLX-quantised weights for a GPU).
     pub(super) fn new(model: &Model) -> Result<Option<Self>> {
         let c = &model.config;
-        let matrices = model
+        // Mixture-of-experts layers take MLX's path (`moe`).
+        let Some(projections) = model
             .layers
             .iter()
-            .flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down].map(|m| &m.matrix))
+            .map(|l| l.dense_projections())
+            .collect::<Option<Vec<_>>>()
+        else {
+            return Ok(None);
+        };
+        let matrices = projections
+            .iter()
+            .flat_map(|p| p.map(|m| &m.matrix))
             .chain(std::iter::once(&model.embed))
             .chain(model.head.as_ref());
         let mut readable = true;
@@ -90,40 +103,49 @@ impl HostWeights {
             return Ok(None);
         }
         let mut layers = Vec::with_capacity(model.layers.len());
-        for l in &model.layers {
+        for (l, p) in model.layers.iter().zip(&projections) {
             let bias = |lin: &Linear| lin.bias.as_ref().map(to_vec).transpose();
             layers.push(HostLayer {
                 attn_norm: to_vec(&l.attn_norm)?,
                 mlp_norm: to_vec(&l.mlp_norm)?,
                 q_norm: l.q_norm.as_ref().map(to_vec).transpose()?,
                 k_norm: l.k_norm.as_ref().map(to_vec).transpose()?,
+                attn_out_norm: l.attn_out_norm.as_ref().map(to_vec).transpose()?,
+                mlp_out_norm: l.mlp_out_norm.as_ref().map(to_vec).transpose()?,
                 biases: [
-                    bias(&l.q)?,
-                    bias(&l.k)?,
-                    bias(&l.v)?,
-                    bias(&l.o)?,
-                    bias(&l.gate)?,
-                    bias(&l.up)?,
-                    bias(&l.down)?,
+                    bias(p[0])?,
+                    bias(p[1])?,
+                    bias(p[2])?,
+                    bias(p[3])?,
+                    bias(p[4])?,
+                    bias(p[5])?,
+                    bias(p[6])?,
                 ],
             });
         }
         Ok(Some(Self {
             layers,
             final_norm: to_vec(&model.final_norm)?,
-            inv_freqs: inverse_frequencies(c, model.rotary.periods.as_ref())?,
+            inv_freqs: inverse_frequencies(c, c.rope_theta, model.rotary.periods.as_ref())?,
             input_scale: model.rotary.input_scale.as_ref().map(to_vec).transpose()?,
+            window_inv_freqs: c
+                .sliding_window
+                .as_ref()
+                .and_then(|w| w.rope_theta)
+                .map(|theta| inverse_frequencies(c, theta, None))
+                .transpose()?,
         }))
     }
 }
 
-/// RoPE's inverse frequencies by MLX's own operations (those of its RoPE on a CPU).
-fn inverse_frequencies(c: &ModelConfig, periods: Option<&Array>) -> Result<Vec<f32>> {
+/// RoPE's inverse frequencies for base `theta` by MLX's own operations (those of its RoPE on
+/// a CPU).
+fn inverse_frequencies(c: &ModelConfig, theta: f32, periods: Option<&Array>) -> Result<Vec<f32>> {
     let inv = match periods {
         Some(p) => p.as_dtype(Dtype::Float32)?.reciprocal()?,
         None => {
             let half = (c.rope_dims / 2) as i32;
-            let step = c.rope_theta.ln() / half as f32;
+            let step = theta.ln() / half as f32;
             exp(arange::<_, f32>(0, -half, -1)?.multiply(Array::from_f32(step))?)?
         }
     };
@@ -220,6 +242,24 @@ fn swiglu(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// `gelu_tanh(gate) · up` (Gemma), in place in `gate`, in MLX's order of operations:
+/// `0.5 · x · (1 + tanh(sqrt(2/π) · (x + 0.044715 · x³)))`.
+fn geglu(gate: &mut [f32], up: &[f32]) {
+    let c = (2.0 / std::f32::consts::PI).sqrt();
+    for (g, u) in gate.iter_mut().zip(up) {
+        let x = *g;
+        *g = 0.5 * x * (1.0 + (c * (x + 0.044715 * (x * x * x))).tanh()) * u;
+    }
+}
+
+/// Gemma's norm on a block output, in place: `y = rms_norm(y) · weight`.
+fn output_norm(y: &mut [f32], weight: &Option<Vec<f32>>, eps: f32) {
+    if let Some(w) = weight {
+        let input = y.to_vec();
+        rms_norm(&input, w, eps, y);
+    }
+}
+
 impl Model {
     /// Whether `host_forward` computes this batch: a CPU computing in f32 with host weights,
     /// a few rows, scores within bounds.
@@ -244,7 +284,12 @@ impl Model {
             .iter()
             .flat_map(|s| s.tokens.iter().map(|&t| t as usize))
             .collect();
-        let x = self.host_embed(&ids)?;
+        let mut x = self.host_embed(&ids)?;
+        if let Some(scale) = self.config.embed_scale {
+            for v in &mut x {
+                *v *= scale;
+            }
+        }
         // Every sequence's RoPE position of each new token, in batch order.
         let mut positions = Vec::with_capacity(ids.len());
         for seq in batch.iter() {
@@ -258,7 +303,8 @@ impl Model {
             .layers
             .iter()
             .map(|l| {
-                [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
+                l.dense_projections()
+                    .ok_or_else(|| EngineError::Mlx("a host pass over experts".into()))?
                     .map(|lin| host_matrix(&lin.matrix))
                     .into_iter()
                     .collect::<Result<Vec<_>>>()
@@ -330,7 +376,7 @@ impl HostPass<'_> {
         let c = self.config;
         let (h, hk, hd, d) = (c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size);
         let rows = self.positions.len();
-        let scale = 1.0 / (hd as f32).sqrt();
+        let scale = c.attention_scale;
         let mut normed = vec![0f32; rows * d];
         for (li, (m, hl)) in self.layers.iter().zip(&self.host.layers).enumerate() {
             rms_norm(&x, &hl.attn_norm, c.rms_norm_eps, &mut normed);
@@ -347,8 +393,29 @@ impl HostPass<'_> {
                 rms_norm(&k_in, kn, c.rms_norm_eps, &mut k);
             }
             if !c.no_rope_layers.contains(&li) {
-                rope(c, self.host, &mut q, h, self.positions);
-                rope(c, self.host, &mut k, hk, self.positions);
+                let rotation = match (&self.host.window_inv_freqs, c.window_of(li)) {
+                    // A sliding-window layer: its own base, none of the scaling.
+                    (Some(inv_freqs), Some(_)) => Rotation {
+                        inv_freqs,
+                        position_scale: 1.0,
+                        input_scale: None,
+                    },
+                    _ => Rotation {
+                        inv_freqs: &self.host.inv_freqs,
+                        position_scale: c.rope_scaling.position_scale(),
+                        input_scale: self.host.input_scale.as_deref(),
+                    },
+                };
+                rope(c, &rotation, &mut q, h, self.positions);
+                rope(c, &rotation, &mut k, hk, self.positions);
+            }
+            if let Some(scaling) = c.query_scaling {
+                for (row, &p) in q.chunks_exact_mut(h * hd).zip(self.positions) {
+                    let factor = scaling.factor(p);
+                    for v in row {
+                        *v *= factor;
+                    }
+                }
             }
             let mut attended = Vec::with_capacity(rows * h * hd);
             let mut at = 0;
@@ -364,13 +431,15 @@ impl HostPass<'_> {
                             .copy_from_slice(&q[((at + i) * h + head) * hd..][..hd]);
                     }
                 }
-                let cache = seq
+                let mut cache = seq
                     .buffers(li)
                     .ok_or_else(|| EngineError::Mlx(format!("no KV buffers for layer {li}")))?;
+                cache.window = c.window_of(li);
                 attended.extend(few_queries(&qh, h, t, cache, scale));
                 at += t;
             }
-            let [o] = products([&m[3]], [&hl.biases[3]], &attended, rows)?;
+            let [mut o] = products([&m[3]], [&hl.biases[3]], &attended, rows)?;
+            output_norm(&mut o, &hl.attn_out_norm, c.rms_norm_eps);
             add_into(&mut x, &o);
             rms_norm(&x, &hl.mlp_norm, c.rms_norm_eps, &mut normed);
             let [mut gate, up] = products(
@@ -379,8 +448,13 @@ impl HostPass<'_> {
                 &normed,
                 rows,
             )?;
-            swiglu(&mut gate, &up);
-            let [down] = products([&m[6]], [&hl.biases[6]], &gate, rows)?;
+            if c.arch.is_gemma() {
+                geglu(&mut gate, &up);
+            } else {
+                swiglu(&mut gate, &up);
+            }
+            let [mut down] = products([&m[6]], [&hl.biases[6]], &gate, rows)?;
+            output_norm(&mut down, &hl.mlp_out_norm, c.rms_norm_eps);
             add_into(&mut x, &down);
         }
         // Each sequence's last row through the final norm and the head.
@@ -397,25 +471,39 @@ impl HostPass<'_> {
     }
 }
 
+/// How one layer rotates positions.
+struct Rotation<'a> {
+    inv_freqs: &'a [f32],
+    position_scale: f32,
+    /// Longrope's factor on the rotated dimensions (`[head_dim]`).
+    input_scale: Option<&'a [f32]>,
+}
+
 /// RoPE in place on `x` (`[rows, heads · head_dim]`), row r at `positions[r]`: MLX's
 /// fallback arithmetic (angle = (position · scale) · inverse frequency, then
 /// `x1·cos − x2·sin`, `x1·sin + x2·cos`) on pairs of halves, or of neighbours when
 /// `rope_traditional`.
-fn rope(c: &ModelConfig, host: &HostWeights, x: &mut [f32], heads: usize, positions: &[usize]) {
+fn rope(
+    c: &ModelConfig,
+    rotation: &Rotation<'_>,
+    x: &mut [f32],
+    heads: usize,
+    positions: &[usize],
+) {
     let hd = c.head_dim;
     let half = c.rope_dims / 2;
-    let position_scale = c.rope_scaling.position_scale();
+    let position_scale = rotation.position_scale;
     let mut cos = vec![0f32; half];
     let mut sin = vec![0f32; half];
     for (row, &p) in x.chunks_exact_mut(heads * hd).zip(positions) {
         let position = p as f32 * position_scale;
         for i in 0..half {
-            let theta = position * host.inv_freqs[i];
+            let theta = position * rotation.inv_freqs[i];
             cos[i] = theta.cos();
             sin[i] = theta.sin();
         }
         for head in row.chunks_exact_mut(hd) {
-            if let Some(s) = &host.input_scale {
+            if let Some(s) = rotation.input_scale {
                 for (v, s) in head.iter_mut().zip(s) {
                     *v *= s;
                 }

@@ -1,0 +1,219 @@
+//! Mixture-of-experts MLPs (Qwen3-MoE): a router scores every expert for each token, the
+//! `per_token` best are run and their outputs summed, weighted by the router's probabilities
+//! (renormalised over the chosen ones where the model says so). The experts' weights are
+//! stacked per projection (`[experts, out, in]`) and applied with MLX's `gather_mm` (or
+//! `gather_qmm` on packed affine codes where the policy keeps weights quantised), which
+//! multiplies each token only by the experts it chose: the arithmetic of mlx-lm's `SwitchGLU`.
+
+use mlx_rs::Array;
+use mlx_rs::ops::indexing::TryIndexOp;
+use mlx_rs::ops::{argpartition_axis, dequantize, gather_mm, gather_qmm, softmax_axis, stack};
+
+use super::super::config::Experts;
+use super::super::policy::DtypePolicy;
+use super::super::weights::{Linear, QuantMode, TensorStore};
+use super::super::{EngineError, Result};
+
+pub(super) struct MoeMlp {
+    /// `[experts, hidden]`: each expert's score for a token.
+    router: Linear,
+    gate: ExpertWeights,
+    up: ExpertWeights,
+    down: ExpertWeights,
+    per_token: i32,
+    normalize_top_k: bool,
+    shared: Option<SharedExpert>,
+}
+
+/// Qwen2-MoE's shared expert: a SwiGLU MLP every token takes, scaled by
+/// `sigmoid(gate · x)`.
+struct SharedExpert {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+    /// `[1, hidden]`.
+    scale: Linear,
+}
+
+/// One projection of every expert.
+enum ExpertWeights {
+    /// `[experts, in, out]`: transposed for `gather_mm` (`x · W`) once at load.
+    Dense(Array),
+    /// mlx-lm's affine codes `[experts, out, in · bits / 32]` with their scales and biases.
+    Packed {
+        weight: Array,
+        scales: Array,
+        biases: Array,
+        group_size: i32,
+        bits: i32,
+    },
+}
+
+impl ExpertWeights {
+    /// (experts, outputs per expert).
+    fn experts_and_out(&self) -> (i32, i32) {
+        match self {
+            Self::Dense(w) => (w.shape()[0], w.shape()[2]),
+            Self::Packed { weight, .. } => (weight.shape()[0], weight.shape()[1]),
+        }
+    }
+
+    /// `x` (`[tokens, k, 1, in]` or `[tokens, 1, 1, in]`) through each token's `chosen`
+    /// experts: `[tokens, k, 1, out]`.
+    fn apply(&self, x: &Array, chosen: &Array) -> Result<Array> {
+        Ok(match self {
+            Self::Dense(w) => gather_mm(x, w, None, chosen, None)?,
+            Self::Packed {
+                weight,
+                scales,
+                biases,
+                group_size,
+                bits,
+            } => gather_qmm(
+                x,
+                weight,
+                scales,
+                biases,
+                None,
+                chosen,
+                true,
+                *group_size,
+                *bits,
+                None,
+            )?,
+        })
+    }
+}
+
+impl MoeMlp {
+    /// Layer `layer`'s router (`mlp.gate`) and experts: Hugging Face's one tensor per expert
+    /// (`mlp.experts.E.gate_proj`) or mlx-lm's stacked `mlp.switch_mlp.gate_proj`, dense.
+    pub(super) fn load(
+        store: &TensorStore,
+        layer: usize,
+        experts: &Experts,
+        policy: DtypePolicy,
+    ) -> Result<Self> {
+        let prefix = format!("model.layers.{layer}.mlp");
+        let router = store.linear(&format!("{prefix}.gate"), policy)?;
+        let projection = |part: &str| -> Result<ExpertWeights> {
+            let stacked = format!("{prefix}.switch_mlp.{part}");
+            if let Some(scales) = store.get(&format!("{stacked}.scales")) {
+                let q = store.quant.of(&stacked);
+                let (Some(bits), QuantMode::Affine) = (q.bits, q.mode) else {
+                    return Err(EngineError::Config(format!(
+                        "{stacked}: experts in {} mode (affine ones are read)",
+                        q.mode.name()
+                    )));
+                };
+                let weight = store.require(&format!("{stacked}.weight"))?.clone();
+                let biases = store.require(&format!("{stacked}.biases"))?.clone();
+                if policy.quantized_weights {
+                    for a in [&weight, scales, &biases] {
+                        a.eval()?;
+                    }
+                    return Ok(ExpertWeights::Packed {
+                        weight,
+                        scales: scales.clone(),
+                        biases,
+                        group_size: q.group_size,
+                        bits,
+                    });
+                }
+                // A CPU computes in f32: the experts' codes expanded once, at load.
+                let dense = dequantize(&weight, scales, &biases, q.group_size, bits)?;
+                let dense = dense
+                    .as_dtype(policy.compute)?
+                    .transpose_axes(&[0, 2, 1])?
+                    .contiguous()?;
+                dense.eval()?;
+                return Ok(ExpertWeights::Dense(dense));
+            }
+            let weight = match store.get(&format!("{stacked}.weight")) {
+                Some(w) => w.clone(),
+                None => {
+                    let each = (0..experts.count)
+                        .map(|e| store.require(&format!("{prefix}.experts.{e}.{part}.weight")))
+                        .collect::<Result<Vec<_>>>()?;
+                    stack(&each, 0)?
+                }
+            };
+            let weight = weight
+                .as_dtype(policy.compute)?
+                .transpose_axes(&[0, 2, 1])?;
+            // A contiguous copy: the transposed view would be re-strided on every product.
+            let weight = weight.contiguous()?;
+            weight.eval()?;
+            Ok(ExpertWeights::Dense(weight))
+        };
+        let shared = match experts.shared_intermediate_size {
+            None => None,
+            Some(_) => {
+                let part = |p: &str| store.linear(&format!("{prefix}.shared_expert.{p}"), policy);
+                let shared = SharedExpert {
+                    gate: part("gate_proj")?,
+                    up: part("up_proj")?,
+                    down: part("down_proj")?,
+                    scale: store.linear(&format!("{prefix}.shared_expert_gate"), policy)?,
+                };
+                for m in [&shared.gate, &shared.up, &shared.down, &shared.scale] {
+                    m.eval()?;
+                }
+                Some(shared)
+            }
+        };
+        let moe = Self {
+            router,
+            gate: projection("gate_proj")?,
+            up: projection("up_proj")?,
+            down: projection("down_proj")?,
+            per_token: experts.per_token as i32,
+            normalize_top_k: experts.normalize_top_k,
+            shared,
+        };
+        moe.router.eval()?;
+        let (e, width) = (experts.count as i32, experts.intermediate_size as i32);
+        let found = moe.gate.experts_and_out();
+        if found != (e, width) {
+            return Err(EngineError::Config(format!(
+                "{prefix}: {} experts of width {}, the config says {e} of width {width}",
+                found.0, found.1
+            )));
+        }
+        Ok(moe)
+    }
+
+    /// The MLP's output for `x` (`[tokens, hidden]`, normalised).
+    pub(super) fn forward(&self, x: &Array, few: bool) -> Result<Array> {
+        let (tokens, hidden) = (x.shape()[0], x.shape()[1]);
+        let k = self.per_token;
+        let logits = self.router.forward_on(x, few)?;
+        let experts = logits.shape()[1];
+        let probs = softmax_axis(&logits, -1, true)?;
+        // The k largest probabilities of each token (their order does not matter).
+        let chosen = argpartition_axis(&probs, experts - k, -1)?.try_index((.., experts - k..))?;
+        let mut weights = probs.take_along_axis(&chosen, -1)?;
+        if self.normalize_top_k {
+            weights = weights.divide(weights.sum_axis(-1, true)?)?;
+        }
+        // [tokens, 1, 1, hidden] against each token's k experts: [tokens, k, 1, out].
+        let xe = x.reshape(&[tokens, 1, 1, hidden])?;
+        let gate = self.gate.apply(&xe, &chosen)?;
+        let up = self.up.apply(&xe, &chosen)?;
+        let act = mlx_rs::nn::silu(gate)?.multiply(&up)?;
+        let out = self.down.apply(&act, &chosen)?;
+        let out = out.reshape(&[tokens, k, hidden])?;
+        let routed = out
+            .multiply(weights.reshape(&[tokens, k, 1])?)?
+            .sum_axis(-2, false)?;
+        let Some(shared) = &self.shared else {
+            return Ok(routed);
+        };
+        let [gate, up] = Linear::forward_group([&shared.gate, &shared.up], x, few)?;
+        let mlp = shared
+            .down
+            .forward_on(&mlx_rs::nn::silu(gate)?.multiply(&up)?, few)?;
+        let scale = mlx_rs::ops::sigmoid(shared.scale.forward_on(x, few)?)?;
+        Ok(routed.add(scale.multiply(&mlp)?)?)
+    }
+}
