@@ -158,10 +158,26 @@ pub fn verify_header(h: &BlockHeader) -> Result<(), BlockError> {
             values.and_then(|v| (v / QUANT_GROUP).checked_mul(8 + QUANT_GROUP * bits / 8))
         }
     };
-    let kinds_ok = h.layer_kinds.len() == h.num_layers as usize
-        && h.layer_kinds
-            .iter()
-            .all(|&k| k == StateKind::FullAttentionKv as i32);
+    // Hybrid models' blocks end with a snapshot of each recurrent layer's state (f32).
+    let snapshot = h
+        .recurrent_floats
+        .checked_mul(4)
+        .and_then(|f| u64::from(h.recurrent_layers).checked_mul(f));
+    let expected = match (expected, h.recurrent_layers) {
+        (e, 0) if h.recurrent_floats == 0 => e,
+        (Some(e), _) if h.kv_quant.is_empty() => snapshot.and_then(|s| e.checked_add(s)),
+        _ => None,
+    };
+    let attention = h.num_layers as usize;
+    let kinds_ok = h.layer_kinds.len() == attention + h.recurrent_layers as usize
+        && h.layer_kinds.iter().enumerate().all(|(i, &k)| {
+            let kind = if i < attention {
+                StateKind::FullAttentionKv
+            } else {
+                StateKind::Recurrent
+            };
+            k == kind as i32
+        });
     let too_many = h.block_tokens != 0 && h.token_ids.len() > h.block_tokens as usize;
     if !kinds_ok || expected != Some(h.payload_bytes) || h.token_ids.is_empty() || too_many {
         return Err(BlockError::LayoutMismatch {
@@ -306,10 +322,26 @@ pub fn make_block_of(
             payload_checksum: payload_checksum(&payload).to_vec(),
             block_tokens,
             kv_quant: String::new(),
+            recurrent_layers: 0,
+            recurrent_floats: 0,
         }),
         payload: Bytes::from(payload),
         file: None,
     }
+}
+
+/// Marks `block` (made by `make_block_of` with a payload that ends with the snapshots) as a
+/// hybrid model's: `layers` recurrent layers of `floats` f32 values each after its K/V.
+pub fn with_recurrent_state(mut block: Block, layers: u32, floats: u64) -> Block {
+    if let Some(h) = block.header.as_mut() {
+        h.recurrent_layers = layers;
+        h.recurrent_floats = floats;
+        h.layer_kinds.extend(std::iter::repeat_n(
+            StateKind::Recurrent as i32,
+            layers as usize,
+        ));
+    }
+    block
 }
 
 #[cfg(test)]
@@ -419,6 +451,56 @@ mod tests {
         h.payload_bytes = u64::MAX;
         assert!(matches!(
             verify_header(h),
+            Err(BlockError::LayoutMismatch { .. })
+        ));
+    }
+
+    #[test]
+    fn a_hybrid_block_carries_its_recurrent_snapshots_after_the_kv() {
+        // Two attention layers of one head of 4 f32 values, three tokens; three recurrent
+        // layers of five floats.
+        let kv = 2 * 2 * 4 * 3 * 4;
+        let snapshots = 3 * 5 * 4;
+        let made = |payload: usize| {
+            let block = make_block_of(
+                "ns",
+                None,
+                vec![1, 2, 3],
+                4,
+                (2, 1, 4, "float32"),
+                vec![3u8; payload],
+            );
+            with_recurrent_state(block, 3, 5)
+        };
+        let hybrid = made(kv + snapshots);
+        assert_eq!(verify(&hybrid).map(|_| ()), Ok(()));
+        let h = hybrid.header.as_ref().unwrap();
+        assert_eq!(h.layer_kinds.len(), 5);
+        // The K/V alone, a snapshot short, kinds out of order, or unmarked: refused.
+        assert!(matches!(
+            verify(&made(kv)),
+            Err(BlockError::LayoutMismatch { .. })
+        ));
+        assert!(matches!(
+            verify(&made(kv + snapshots - 4)),
+            Err(BlockError::LayoutMismatch { .. })
+        ));
+        let mut swapped = hybrid.clone();
+        swapped.header.as_mut().unwrap().layer_kinds.swap(0, 4);
+        assert!(matches!(
+            verify_header(swapped.header.as_ref().unwrap()),
+            Err(BlockError::LayoutMismatch { .. })
+        ));
+        let plain = make_block_of(
+            "ns",
+            None,
+            vec![1, 2, 3],
+            4,
+            (2, 1, 4, "float32"),
+            vec![3u8; kv + snapshots],
+        );
+        assert!(matches!(
+            verify(&plain),
             Err(BlockError::LayoutMismatch { .. })
         ));
     }
