@@ -273,12 +273,17 @@ def write_family(name, c, rng):
     (folder / "config.json").write_text(json.dumps(c, indent=1) + "\n")
     save_file(weights(name, c, rng), str(folder / "model.safetensors"),
               metadata={"format": "pt"})
+    write_tokenizer(folder)
+    return folder, c
+
+
+def write_tokenizer(folder):
+    """The stand-in tokenizer and a tokenizer_config.json with the ChatML template."""
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer_json()) + "\n")
     (folder / "tokenizer_config.json").write_text(json.dumps(dict(
         bos_token=SPECIALS[0], eos_token=SPECIALS[2], add_bos_token=False,
         chat_template=CHAT_TEMPLATE,
     ), indent=1) + "\n")
-    return folder, c
 
 
 def write_mistral3_vlm(base="ministral3", name="mistral3_vlm"):

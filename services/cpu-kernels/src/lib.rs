@@ -1,11 +1,13 @@
 //! CPU kernels the engine needs and MLX's CPU backend does not provide fast: products of a few
-//! rows against a weight matrix, softmax rows, and a decode step's attention over the KV cache.
+//! rows against a weight matrix, softmax rows, a decode step's attention over the KV cache, and
+//! Gated DeltaNet's recurrence.
 //! Plain Rust on borrowed f32 slices (no MLX), vectorised by `target_feature` dispatch and
 //! spread over the cores with rayon. A crate of its own so that it is optimised in debug
 //! builds too (see the workspace profile): the worker's tests run real inference through it.
 
 pub mod attention;
 pub mod blas;
+pub mod gated_delta;
 pub mod matmul;
 pub mod packed;
 pub mod softmax;

@@ -16,6 +16,7 @@ const LAYOUT: KvLayout = KvLayout {
     head_dim: 64,
     dtype: Dtype::Float32,
     window: None,
+    recurrent: None,
 };
 const BLOCK: usize = 256;
 

@@ -91,7 +91,7 @@ fn main() {
                 .eval()
                 .expect("eval");
             times.push(t.elapsed());
-            c.truncate(prefix);
+            c.truncate(prefix).expect("truncate");
         }
         let t = Instant::now();
         let mut batch = [SeqChunk {

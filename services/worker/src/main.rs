@@ -468,6 +468,12 @@ fn main() -> anyhow::Result<()> {
                     if kv_quant.is_some() {
                         strata_worker::kv_quant::supports(layout.head_dim)
                             .context("--kv-cache-bits")?;
+                        if layout.recurrent.is_some() {
+                            anyhow::bail!(
+                                "--kv-cache-bits: quantised blocks are not available for hybrid \
+                                 models (their blocks carry recurrent states, kept in f32)"
+                            );
+                        }
                     }
                     let id = model_id.unwrap_or_else(|| default_model_id(path));
                     let budget = memory_budget
@@ -493,12 +499,14 @@ fn main() -> anyhow::Result<()> {
                 ..info
             };
 
-            let reuse = if cache_exact {
-                Reuse::Exact
-            } else {
-                Reuse::CommonPrefix
-            };
             let serving = serving.map(|mut s| {
+                let reuse = if s.kv_layout.recurrent.is_some() {
+                    Reuse::AtSnapshots
+                } else if cache_exact {
+                    Reuse::Exact
+                } else {
+                    Reuse::CommonPrefix
+                };
                 let prefix_feature = match (&kvcache_socket, l0_bytes) {
                     (Some(_), 0) => format!("on (cache service only, L0 off; {})", reuse.describe()),
                     (Some(_), l0) => format!("on (L0 {} MiB + cache service; {})", l0 >> 20, reuse.describe()),

@@ -2,8 +2,9 @@
 //! published Hugging Face layout (scripts/make_family_fixtures.py), against mlx-lm 0.32.2 run
 //! on the same files: Qwen3 (q/k norms), Llama 3.2 (tied, llama3 RoPE scaling), Llama 3.1
 //! (untied), Mistral, Phi-3 (fused projections, partial rotary, longrope), SmolLM3 (NoPE
-//! layers), Gemma 3 (sliding-window layers). For each: the last position's logits, the greedy tokens, and a run resumed from
-//! the cold run's KV blocks giving the same tokens.
+//! layers), Gemma 3 (sliding-window layers), and the hybrid Qwen3.5 and Qwen3.5-MoE (Gated
+//! DeltaNet layers; scripts/make_hybrid_fixtures.py). For each: the last position's logits, the
+//! greedy tokens, and a run resumed from the cold run's KV blocks giving the same tokens.
 
 mod common;
 
@@ -52,7 +53,13 @@ struct Case {
 }
 
 fn cases(family: &str) -> (String, Vec<Case>) {
-    let reference = common::fixture("families/reference.json");
+    // The hybrid families have their own generator and file (scripts/make_hybrid_fixtures.py).
+    let file = if family.starts_with("qwen3_5") {
+        "families/hybrid_reference.json"
+    } else {
+        "families/reference.json"
+    };
+    let reference = common::fixture(file);
     let entry = &reference["families"][family];
     let cases = entry["cases"]
         .as_array()
@@ -157,7 +164,11 @@ fn check_family_at(family: &str, path: &std::path::Path, arch: &str) {
         assert_eq!(tokens, case.greedy, "{family} case {i}: greedy tokens");
 
         // Through the serving path, cold and then resumed from every cached prefix length.
-        let req = GenerateRequest::greedy(case.input.clone(), case.greedy.len());
+        // mlx-lm's greedy tokens go on past the end-of-sequence id (the random models emit it).
+        let req = GenerateRequest {
+            ignore_eos: true,
+            ..GenerateRequest::greedy(case.input.clone(), case.greedy.len())
+        };
         let (cold, blocks) = generate(&m, &req, &[]);
         assert_eq!(cold.tokens, case.greedy, "{family} case {i}: served cold");
         for n in 1..=blocks.len() {
@@ -352,6 +363,20 @@ fn packed_experts_kept_packed_compute_what_the_dequantised_ones_do() {
 #[test]
 fn qwen2_moe_matches_mlx_lm() {
     check_family("qwen2_moe", "qwen2_moe");
+}
+
+/// Qwen3.5 (dense): three Gated DeltaNet layers, then one of gated full attention. The
+/// served runs resume from blocks whose payloads end with the recurrent states' snapshots.
+#[test]
+fn qwen3_5_hybrid_matches_mlx_lm() {
+    check_family("qwen3_5", "qwen3_5");
+}
+
+/// Qwen3.5-MoE / Qwen3.6-35B-A3B's layer pattern: the hybrid layers with a routed mixture of
+/// experts and a gated shared expert in every layer, the experts fused as published.
+#[test]
+fn qwen3_5_moe_hybrid_matches_mlx_lm() {
+    check_family("qwen3_5_moe", "qwen3_5_moe");
 }
 
 #[test]

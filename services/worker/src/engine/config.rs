@@ -35,6 +35,14 @@ pub enum Architecture {
     /// `num_experts_per_tok` experts (probabilities not renormalised) and adds a shared
     /// expert gated by a sigmoid.
     Qwen2Moe,
+    /// Qwen3.5 / Qwen3.6 (dense): hybrid layers, mostly Gated DeltaNet (linear attention with
+    /// a recurrent state and a causal convolution) with full attention every
+    /// `full_attention_interval`-th layer; the attention layers gate their output by a sigmoid
+    /// of a second half of `q_proj`, norm q/k per head and rotate a quarter of each head.
+    Qwen3_5,
+    /// Qwen3.5-MoE / Qwen3.6-35B-A3B: Qwen3.5's layers with Qwen3-Next's mixture of experts in
+    /// every layer (softmax router, top-k renormalised, a shared expert behind a sigmoid gate).
+    Qwen3_5Moe,
 }
 
 impl Architecture {
@@ -50,9 +58,11 @@ impl Architecture {
             "ministral3" | "Ministral3ForCausalLM" => Ok(Self::Ministral3),
             "qwen3_moe" | "Qwen3MoeForCausalLM" => Ok(Self::Qwen3Moe),
             "qwen2_moe" | "Qwen2MoeForCausalLM" => Ok(Self::Qwen2Moe),
+            "qwen3_5" | "qwen3_5_text" | "Qwen3_5ForCausalLM" => Ok(Self::Qwen3_5),
+            "qwen3_5_moe" | "qwen3_5_moe_text" | "Qwen3_5MoeForCausalLM" => Ok(Self::Qwen3_5Moe),
             other => Err(EngineError::UnknownArchitecture(format!(
                 "{other} (supported: llama, mistral, qwen2, qwen3, phi3, smollm3, gemma3_text, \
-                 ministral3, qwen3_moe, qwen2_moe)"
+                 ministral3, qwen3_moe, qwen2_moe, qwen3_5, qwen3_5_moe)"
             ))),
         }
     }
@@ -69,12 +79,22 @@ impl Architecture {
             Self::Ministral3 => "ministral3",
             Self::Qwen3Moe => "qwen3_moe",
             Self::Qwen2Moe => "qwen2_moe",
+            Self::Qwen3_5 => "qwen3_5",
+            Self::Qwen3_5Moe => "qwen3_5_moe",
         }
     }
 
     /// Query and key heads pass through an RMSNorm of their own before RoPE.
     pub fn has_qk_norm(self) -> bool {
-        matches!(self, Self::Qwen3 | Self::Gemma3 | Self::Qwen3Moe)
+        matches!(
+            self,
+            Self::Qwen3 | Self::Gemma3 | Self::Qwen3Moe | Self::Qwen3_5 | Self::Qwen3_5Moe
+        )
+    }
+
+    /// Hybrid layers: linear attention with a recurrent state between attention layers.
+    pub fn is_hybrid(self) -> bool {
+        matches!(self, Self::Qwen3_5 | Self::Qwen3_5Moe)
     }
 
     /// Gemma's layout: RMSNorm weights stored as offsets from 1, the outputs of attention and
@@ -108,6 +128,33 @@ pub struct Experts {
     pub layers: Vec<usize>,
     /// A shared expert every token also takes, of this width, gated by a sigmoid (Qwen2-MoE).
     pub shared_intermediate_size: Option<usize>,
+}
+
+/// Gated DeltaNet layers (Qwen3.5, Qwen3-Next): each keeps a causal depthwise convolution's
+/// last `conv_kernel - 1` inputs and a recurrent state of `value_heads x value_dim x key_dim`
+/// instead of a KV cache (mlx-lm's `GatedDeltaNet`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LinearAttention {
+    /// The linear-attention layers, in order; the others are full attention.
+    pub layers: Vec<usize>,
+    pub key_heads: usize,
+    pub value_heads: usize,
+    pub key_dim: usize,
+    pub value_dim: usize,
+    pub conv_kernel: usize,
+}
+
+impl LinearAttention {
+    /// Channels of the convolution: queries, keys and values side by side.
+    pub fn conv_channels(&self) -> usize {
+        2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+    }
+
+    /// Floats of one layer's state: the convolution's inputs, then the recurrent state.
+    pub fn state_floats(&self) -> usize {
+        (self.conv_kernel - 1) * self.conv_channels()
+            + self.value_heads * self.value_dim * self.key_dim
+    }
 }
 
 /// Llama 4's attention temperature (Ministral 3): queries at position p are multiplied by
@@ -299,9 +346,28 @@ pub struct ModelConfig {
     pub query_scaling: Option<QueryScaling>,
     /// Mixture-of-experts layers (Qwen3-MoE).
     pub experts: Option<Experts>,
+    /// Linear-attention layers (Qwen3.5's Gated DeltaNet), if the model is hybrid.
+    pub linear_attention: Option<LinearAttention>,
+    /// Attention output multiplied by `sigmoid` of a gate that `q_proj` computes beside the
+    /// queries (Qwen3.5): `q_proj` has twice the rows, per head queries then gate.
+    pub attention_output_gate: bool,
 }
 
 impl ModelConfig {
+    /// Whether `layer` is a linear-attention (recurrent) layer.
+    pub fn is_linear_layer(&self, layer: usize) -> bool {
+        self.linear_attention
+            .as_ref()
+            .is_some_and(|l| l.layers.contains(&layer))
+    }
+
+    /// The full-attention layers, which keep K/V, in order.
+    pub fn attention_layers(&self) -> Vec<usize> {
+        (0..self.num_layers)
+            .filter(|&l| !self.is_linear_layer(l))
+            .collect()
+    }
+
     /// Whether `layer`'s MLP is a mixture of experts.
     pub fn is_moe_layer(&self, layer: usize) -> bool {
         self.experts
@@ -364,6 +430,24 @@ impl ModelConfig {
         if !(self.attention_scale.is_finite() && self.attention_scale > 0.0) {
             return bad(format!("attention scale {}", self.attention_scale));
         }
+        if let Some(l) = &self.linear_attention {
+            if l.key_heads == 0
+                || l.value_heads % l.key_heads != 0
+                || l.key_dim == 0
+                || l.value_dim == 0
+                || l.conv_kernel < 2
+            {
+                return bad(format!("linear attention shape {l:?}"));
+            }
+            if let Some(&layer) = l.layers.iter().find(|&&i| i >= self.num_layers) {
+                return bad(format!(
+                    "linear-attention layer {layer} past the last layer"
+                ));
+            }
+            if l.layers.len() == self.num_layers {
+                return bad("a hybrid model without any full-attention layer".into());
+            }
+        }
         if let Some(e) = &self.experts
             && (e.per_token == 0 || e.per_token > e.count || e.intermediate_size == 0)
         {
@@ -383,9 +467,9 @@ impl ModelConfig {
             .map(|w| w.tokens)
     }
 
-    /// Bytes of K and V per token across all layers, for a KV element size in bytes.
+    /// Bytes of K and V per token across the layers that keep them, for a KV element size.
     pub fn kv_bytes_per_token(&self, elem_bytes: usize) -> usize {
-        2 * self.num_layers * self.num_kv_heads * self.head_dim * elem_bytes
+        2 * self.attention_layers().len() * self.num_kv_heads * self.head_dim * elem_bytes
     }
 }
 
@@ -396,6 +480,8 @@ pub struct HfConfig {
     #[serde(default)]
     pub architectures: Vec<String>,
     pub hidden_size: usize,
+    /// Absent where every layer is a mixture of experts (Qwen3.5-MoE).
+    #[serde(default)]
     pub intermediate_size: usize,
     pub num_hidden_layers: usize,
     pub num_attention_heads: usize,
@@ -438,8 +524,8 @@ pub struct HfConfig {
     pub num_experts: Option<usize>,
     pub num_experts_per_tok: Option<usize>,
     pub moe_intermediate_size: Option<usize>,
-    #[serde(default)]
-    pub norm_topk_prob: bool,
+    /// Absent: mlx-lm's family default (renormalised in Qwen3.5-MoE only).
+    pub norm_topk_prob: Option<bool>,
     pub decoder_sparse_step: Option<usize>,
     #[serde(default)]
     pub mlp_only_layers: Vec<usize>,
@@ -450,6 +536,14 @@ pub struct HfConfig {
     /// Gemma 2 caps logits with tanh; Gemma 3 configs carry null. A cap is refused.
     pub final_logit_softcapping: Option<f32>,
     pub attn_logit_softcapping: Option<f32>,
+    /// Qwen3.5's Gated DeltaNet layers: every `full_attention_interval`-th layer is full
+    /// attention, the others linear with these head counts and widths.
+    pub full_attention_interval: Option<usize>,
+    pub linear_num_key_heads: Option<usize>,
+    pub linear_num_value_heads: Option<usize>,
+    pub linear_key_head_dim: Option<usize>,
+    pub linear_value_head_dim: Option<usize>,
+    pub linear_conv_kernel_dim: Option<usize>,
 }
 
 fn default_eps() -> f32 {
@@ -470,8 +564,17 @@ impl HfConfig {
         let head_dim = self
             .head_dim
             .unwrap_or(self.hidden_size / self.num_attention_heads.max(1));
-        let rope_dims = match self.partial_rotary_factor {
+        let partial = self.partial_rotary_factor.or_else(|| {
+            let share = self
+                .rope_parameters
+                .as_ref()?
+                .get("partial_rotary_factor")?;
+            share.as_f64().map(|s| s as f32)
+        });
+        let rope_dims = match partial {
             Some(share) if arch == Architecture::Phi3 => (head_dim as f32 * share) as usize,
+            // mlx-lm's default for the family when the config leaves it out.
+            _ if arch.is_hybrid() => (head_dim as f32 * partial.unwrap_or(0.25)) as usize,
             _ => head_dim,
         };
         if let Some(cap) = self.final_logit_softcapping.or(self.attn_logit_softcapping) {
@@ -505,6 +608,8 @@ impl HfConfig {
                 .then(|| half::bf16::from_f32((self.hidden_size as f32).sqrt()).to_f32()),
             query_scaling: self.query_scaling(arch)?,
             experts: self.experts(arch)?,
+            linear_attention: self.linear_attention(arch)?,
+            attention_output_gate: arch.is_hybrid(),
         };
         config.validate()?;
         Ok(config)
@@ -548,14 +653,21 @@ impl HfConfig {
     /// `decoder_sparse_step`; every Qwen2-MoE layer routes, without renormalising, beside its
     /// shared expert (mlx-lm's rules).
     fn experts(&self, arch: Architecture) -> Result<Option<Experts>> {
-        if !matches!(arch, Architecture::Qwen3Moe | Architecture::Qwen2Moe) {
+        if !matches!(
+            arch,
+            Architecture::Qwen3Moe | Architecture::Qwen2Moe | Architecture::Qwen3_5Moe
+        ) {
             return Ok(None);
         }
-        let qwen2 = arch == Architecture::Qwen2Moe;
-        if qwen2 && self.shared_expert_intermediate_size.is_none() {
-            return Err(EngineError::Config(
-                "qwen2_moe needs shared_expert_intermediate_size".into(),
-            ));
+        // Qwen3.5-MoE routes in every layer beside a shared expert, as Qwen2-MoE does, but
+        // renormalises the chosen experts' probabilities unless told otherwise.
+        let qwen3_5 = arch == Architecture::Qwen3_5Moe;
+        let shared = arch == Architecture::Qwen2Moe || qwen3_5;
+        if shared && self.shared_expert_intermediate_size.is_none() {
+            return Err(EngineError::Config(format!(
+                "{} needs shared_expert_intermediate_size",
+                arch.name()
+            )));
         }
         let (Some(count), Some(per_token), Some(width)) = (
             self.num_experts,
@@ -570,16 +682,37 @@ impl HfConfig {
         let step = self.decoder_sparse_step.unwrap_or(1).max(1);
         let layers = (0..self.num_hidden_layers)
             .filter(|l| {
-                qwen2 || (count > 0 && !self.mlp_only_layers.contains(l) && (l + 1) % step == 0)
+                shared || (count > 0 && !self.mlp_only_layers.contains(l) && (l + 1) % step == 0)
             })
             .collect();
         Ok(Some(Experts {
             count,
             per_token,
             intermediate_size: width,
-            normalize_top_k: self.norm_topk_prob && !qwen2,
+            normalize_top_k: self.norm_topk_prob.unwrap_or(qwen3_5)
+                && arch != Architecture::Qwen2Moe,
             layers,
-            shared_intermediate_size: self.shared_expert_intermediate_size.filter(|_| qwen2),
+            shared_intermediate_size: self.shared_expert_intermediate_size.filter(|_| shared),
+        }))
+    }
+
+    /// Qwen3.5's Gated DeltaNet layers: every layer but each `full_attention_interval`-th
+    /// (mlx-lm's rule, default 4), with the head counts and widths of mlx-lm's defaults where
+    /// the config leaves them out.
+    fn linear_attention(&self, arch: Architecture) -> Result<Option<LinearAttention>> {
+        if !arch.is_hybrid() {
+            return Ok(None);
+        }
+        let interval = self.full_attention_interval.unwrap_or(4).max(1);
+        Ok(Some(LinearAttention {
+            layers: (0..self.num_hidden_layers)
+                .filter(|l| (l + 1) % interval != 0)
+                .collect(),
+            key_heads: self.linear_num_key_heads.unwrap_or(16),
+            value_heads: self.linear_num_value_heads.unwrap_or(64),
+            key_dim: self.linear_key_head_dim.unwrap_or(192),
+            value_dim: self.linear_value_head_dim.unwrap_or(128),
+            conv_kernel: self.linear_conv_kernel_dim.unwrap_or(4),
         }))
     }
 

@@ -348,6 +348,8 @@ pub fn load(path: &Path, keep_codes: bool) -> Result<GgufModel> {
         embed_scale: None,
         query_scaling: None,
         experts: None,
+        linear_attention: None,
+        attention_output_gate: false,
     };
     if arch == Architecture::Gemma3 {
         gemma3_settings(&mut config, &meta, &key)?;

@@ -8,6 +8,13 @@
 //! window of them, which lie in the blocks before it), but the live cache drops the rows that
 //! no query will see again once they are stored (`release_window_rows`), so that such a
 //! layer's buffers stay bounded by the window instead of growing with the context.
+//!
+//! Recurrent layers (Gated DeltaNet in hybrid models) are the third kind: they keep no rows,
+//! only a fixed-size state (`RecurrentLayers`) that each token updates and that cannot be cut
+//! back to an earlier token. The cache copies it at chosen positions (snapshots: every block
+//! end, and the positions a sequence asks for), and a block of a hybrid model carries the
+//! snapshot at its end after its attention rows, so a hit resumes every layer exactly there.
+//! A block without a snapshot at its end cannot be exported: there is nothing to resume from.
 
 use mlx_rs::ops::indexing::{TryIndexMutOp, TryIndexOp};
 use mlx_rs::ops::{concatenate, zeros_dtype};
@@ -25,6 +32,29 @@ pub struct KvLayout {
     pub dtype: Dtype,
     /// Layers whose queries see only their last positions.
     pub window: Option<WindowedLayers>,
+    /// Recurrent layers beside the `num_layers` that keep K/V (hybrid models).
+    pub recurrent: Option<RecurrentLayers>,
+}
+
+/// The recurrent layers of a hybrid model: `layers` of them, each with a state of
+/// `conv_floats + state_floats` f32 values (a convolution's last inputs, then the recurrent
+/// state), kept and snapshotted in f32 whatever the KV dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecurrentLayers {
+    pub layers: usize,
+    pub conv_floats: usize,
+    pub state_floats: usize,
+}
+
+impl RecurrentLayers {
+    /// Floats of one layer's state.
+    pub fn floats(&self) -> usize {
+        self.conv_floats + self.state_floats
+    }
+    /// Bytes of a snapshot of every layer.
+    pub fn snapshot_bytes(&self) -> usize {
+        4 * self.layers * self.floats()
+    }
 }
 
 /// Sliding-window layers: bit i of `layers` is layer i, each query of which sees its last
@@ -86,7 +116,27 @@ impl KvLayout {
                 layers.join(",")
             ));
         }
+        if let Some(r) = self.recurrent {
+            text.push_str(&format!(
+                " state=recurrent layers={} conv_floats={} state_floats={} snapshot=f32,after-kv",
+                r.layers, r.conv_floats, r.state_floats
+            ));
+        }
         text
+    }
+
+    /// Bytes of a block of `tokens` rows: their K/V, then (hybrid models) the snapshot of the
+    /// recurrent layers at the block's end.
+    pub fn block_bytes(&self, tokens: usize) -> usize {
+        tokens * self.bytes_per_token() + self.recurrent.map_or(0, |r| r.snapshot_bytes())
+    }
+
+    /// The rows a block of `bytes` holds, and its K/V part; None if the size is not a block's.
+    fn block_rows<'b>(&self, bytes: &'b [u8]) -> Option<(usize, &'b [u8])> {
+        let snapshot = self.recurrent.map_or(0, |r| r.snapshot_bytes());
+        let kv = bytes.len().checked_sub(snapshot)?;
+        let per_token = self.bytes_per_token();
+        (per_token > 0 && kv % per_token == 0).then(|| (kv / per_token, &bytes[..kv]))
     }
 
     /// The window of `layer`, if it is a sliding-window layer.
@@ -112,6 +162,14 @@ pub struct KvCache {
     /// Positions skipped inside the next appended chunk: (index of the token in the chunk,
     /// positions skipped right before it), in order. Consumed by `advance`.
     gaps: Vec<(usize, usize)>,
+    /// Each recurrent layer's state (convolution inputs, then the recurrent state).
+    recurrent: Vec<Vec<f32>>,
+    /// Snapshots of every recurrent layer's state after `position` tokens, filled layer by
+    /// layer during a pass.
+    snapshots: std::collections::BTreeMap<usize, Vec<Vec<f32>>>,
+    /// Snapshots are taken at multiples of this (0: none) and at `snapshot_at`.
+    snapshot_every: usize,
+    snapshot_at: Vec<usize>,
 }
 
 impl KvCache {
@@ -123,7 +181,75 @@ impl KvCache {
             step_tokens: step_tokens.max(1),
             skipped: 0,
             gaps: Vec::new(),
+            recurrent: layout
+                .recurrent
+                .map(|r| vec![vec![0f32; r.floats()]; r.layers])
+                .unwrap_or_default(),
+            snapshots: Default::default(),
+            snapshot_every: 0,
+            snapshot_at: Vec::new(),
         }
+    }
+
+    /// Recurrent layers' states are snapshotted after every multiple of `every` tokens (block
+    /// ends) and after each of `at` (message ends): where a later request may resume.
+    pub fn set_snapshots(&mut self, every: usize, at: Vec<usize>) {
+        self.snapshot_every = every;
+        self.snapshot_at = at;
+    }
+
+    /// Indices in the next chunk of `t` tokens after which the recurrent layers' states are
+    /// snapshotted.
+    pub fn snapshot_points(&self, t: usize) -> Vec<usize> {
+        if self.layout.recurrent.is_none() {
+            return Vec::new();
+        }
+        let len = self.len;
+        (len + 1..=len + t)
+            .filter(|&p| {
+                (self.snapshot_every > 0 && p % self.snapshot_every == 0)
+                    || self.snapshot_at.contains(&p)
+            })
+            .map(|p| p - len - 1)
+            .collect()
+    }
+
+    /// Recurrent layer `layer`'s state: (convolution inputs, recurrent state).
+    pub fn recurrent_state(&mut self, layer: usize) -> Result<(&mut [f32], &mut [f32])> {
+        let r = self
+            .layout
+            .recurrent
+            .ok_or_else(|| EngineError::Config("no recurrent layers in this cache".into()))?;
+        let state = self
+            .recurrent
+            .get_mut(layer)
+            .ok_or_else(|| EngineError::Config(format!("recurrent layer {layer} out of range")))?;
+        Ok(state.split_at_mut(r.conv_floats))
+    }
+
+    /// Records recurrent layer `layer`'s state after `position` tokens (layers in order).
+    pub fn put_snapshot(&mut self, position: usize, layer: usize, floats: Vec<f32>) {
+        let layers = self.snapshots.entry(position).or_default();
+        if layers.len() == layer {
+            layers.push(floats);
+        }
+    }
+
+    /// Whether every recurrent layer's state after `position` tokens is known (always, for
+    /// a model without recurrent layers).
+    pub fn has_snapshot(&self, position: usize) -> bool {
+        match self.layout.recurrent {
+            None => true,
+            Some(r) => self
+                .snapshots
+                .get(&position)
+                .is_some_and(|s| s.len() == r.layers),
+        }
+    }
+
+    /// Forgets snapshots before `position` (already stored, or never to be).
+    pub fn drop_snapshots_before(&mut self, position: usize) {
+        self.snapshots = self.snapshots.split_off(&position);
     }
 
     pub fn layout(&self) -> KvLayout {
@@ -301,6 +427,8 @@ impl KvCache {
     /// speculative rollback still finds its window) behind the end. Copies the kept rows into
     /// a fresh buffer only once a whole step can be dropped, so a decode step rarely pays it.
     pub fn release_window_rows(&mut self, keep_from: usize) -> Result<()> {
+        // Recurrent snapshots before `keep_from` will not be exported either.
+        self.drop_snapshots_before(keep_from.min(self.len));
         let Some(window) = self.layout.window else {
             return Ok(());
         };
@@ -404,8 +532,27 @@ impl KvCache {
     /// Forgets tokens after `len` (their slots are overwritten later). Sliding-window layers
     /// keep a step of rows beyond their window (`release_window_rows`), so a rollback of up
     /// to a step still finds every row its next query sees.
-    pub fn truncate(&mut self, len: usize) {
+    ///
+    /// Recurrent states cannot be cut back: a hybrid model's cache goes back only to a
+    /// position it holds a snapshot of, and refuses any other.
+    pub fn truncate(&mut self, len: usize) -> Result<()> {
+        if len < self.len && self.layout.recurrent.is_some() {
+            let snapshot = self
+                .snapshots
+                .get(&len)
+                .filter(|_| self.has_snapshot(len))
+                .ok_or_else(|| {
+                    EngineError::Config(format!(
+                        "cannot roll a recurrent state back from {} to {len} tokens",
+                        self.len
+                    ))
+                })?;
+            self.recurrent = snapshot.clone();
+        }
+        // Snapshots past the new end are of tokens that are gone.
+        drop(self.snapshots.split_off(&len.saturating_add(1)));
         self.len = self.len.min(len);
+        Ok(())
     }
 
     /// Forces pending writes, so that later reads see materialised buffers.
@@ -451,7 +598,7 @@ impl KvCache {
         // One evaluation for all layers: on a GPU each is a synchronisation with the device,
         // and one per layer and K/V made a block's export cost more than its prefill.
         mlx_rs::transforms::eval(&slices)?;
-        let mut out = Vec::with_capacity((end - start) * per_token);
+        let mut out = Vec::with_capacity(self.layout.block_bytes(end - start));
         for slice in &slices {
             out.extend_from_slice(
                 slice
@@ -459,19 +606,68 @@ impl KvCache {
                     .map_err(|e| EngineError::Mlx(format!("reading KV bytes: {e}")))?,
             );
         }
+        debug_assert_eq!(out.len(), (end - start) * per_token);
+        if self.layout.recurrent.is_some() {
+            // A block that ends where the sequence is takes the live states.
+            let live = (end == self.len).then_some(&self.recurrent);
+            let snapshot = self
+                .snapshots
+                .get(&end)
+                .filter(|_| self.has_snapshot(end))
+                .or(live)
+                .ok_or_else(|| {
+                    EngineError::Config(format!(
+                        "no snapshot of the recurrent layers at token {end}: a block cannot \
+                         end there"
+                    ))
+                })?;
+            for layer in snapshot {
+                out.extend(layer.iter().flat_map(|x| x.to_le_bytes()));
+            }
+        }
         Ok(out)
+    }
+
+    /// Restores every recurrent layer's state from a snapshot in `export`'s layout.
+    fn restore_snapshot(&mut self, bytes: &[u8]) -> Result<()> {
+        let Some(r) = self.layout.recurrent else {
+            return Ok(());
+        };
+        if bytes.len() != r.snapshot_bytes() {
+            return Err(EngineError::Config(format!(
+                "a recurrent snapshot of {} bytes, expected {}",
+                bytes.len(),
+                r.snapshot_bytes()
+            )));
+        }
+        let floats: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        if floats.iter().any(|x| !x.is_finite()) {
+            return Err(EngineError::Config(
+                "a recurrent snapshot holds a value that is not finite".into(),
+            ));
+        }
+        self.recurrent = floats.chunks(r.floats()).map(<[f32]>::to_vec).collect();
+        Ok(())
     }
 
     /// Appends `tokens` tokens given as bytes in `export`'s layout after the tokens held.
     pub fn import(&mut self, bytes: &[u8], tokens: usize) -> Result<()> {
         let l = self.layout;
-        let expected = tokens * l.bytes_per_token();
-        if bytes.len() != expected {
+        if bytes.len() != l.block_bytes(tokens) {
             return Err(EngineError::Config(format!(
-                "KV import of {tokens} tokens needs {expected} bytes, got {}",
+                "KV import of {tokens} tokens needs {} bytes, got {}",
+                l.block_bytes(tokens),
                 bytes.len()
             )));
         }
+        let (snapshot, bytes) = (
+            &bytes[tokens * l.bytes_per_token()..],
+            &bytes[..tokens * l.bytes_per_token()],
+        );
+        let expected = bytes.len();
         let per_buf = expected / (2 * l.num_layers);
         let shape = [1, l.kv_heads as i32, tokens as i32, l.head_dim as i32];
         for layer in 0..l.num_layers {
@@ -483,6 +679,7 @@ impl KvCache {
             let (k, v) = (at(0)?, at(1)?);
             self.append(layer, &k, &v)?;
         }
+        self.restore_snapshot(snapshot)?;
         self.advance(tokens);
         Ok(())
     }
@@ -604,18 +801,43 @@ impl KvCache {
         if total == 0 {
             return Ok(());
         }
-        for (bytes, tokens) in parts {
+        let mut kv_parts = Vec::with_capacity(parts.len());
+        for &(bytes, tokens) in parts {
             // A part may hold more rows than are used: its leading `tokens` rows are imported
             // (token-granular reuse takes the start of a block whose later tokens differ).
+            // Not in a hybrid model: its recurrent state is known at the block's end only.
             let per_token = l.bytes_per_token();
-            if bytes.len() % per_token != 0 || bytes.len() < tokens * per_token {
+            let rows = l.block_rows(bytes);
+            let fits = match rows {
+                Some((rows, _)) if l.recurrent.is_some() => rows == tokens,
+                Some((rows, _)) => rows >= tokens,
+                None => false,
+            };
+            if !fits {
                 return Err(EngineError::Config(format!(
-                    "KV import of {tokens} tokens needs a multiple of {per_token} bytes, at least {}, got {}",
-                    tokens * per_token,
+                    "KV import of {tokens} tokens needs {} of {per_token} bytes a row{}, got {} bytes",
+                    if l.recurrent.is_some() {
+                        "a block"
+                    } else {
+                        "at least as many rows"
+                    },
+                    if l.recurrent.is_some() {
+                        " and its snapshot"
+                    } else {
+                        ""
+                    },
                     bytes.len()
                 )));
             }
+            if let Some((_, kv)) = rows {
+                kv_parts.push((kv, tokens));
+            }
         }
+        if let Some((last, _)) = parts.last() {
+            let kv = last.len() - l.recurrent.map_or(0, |r| r.snapshot_bytes());
+            self.restore_snapshot(&last[kv..])?;
+        }
+        let parts = &kv_parts[..];
         // Room for at least the token computed next, so that it does not grow (copy) buffers
         // that hold the whole prefix.
         let capacity = (total + 1).div_ceil(self.step_tokens) * self.step_tokens;
@@ -744,6 +966,7 @@ mod tests {
             head_dim: 4,
             dtype: Dtype::Float32,
             window: None,
+            recurrent: None,
         };
         let values = |n: usize, seed: f32| -> Vec<u8> {
             (0..n * layout.bytes_per_token() / 4)
@@ -763,6 +986,82 @@ mod tests {
         assert!(bad.import_all(&[(&first[..first.len() - 4], 3)]).is_err());
     }
 
+    /// A hybrid model's block carries the recurrent states at its end: importing blocks
+    /// restores the last one's states, a block may end only where a snapshot (or the live
+    /// state) is, and a rollback goes only to a snapshot.
+    #[test]
+    fn hybrid_blocks_carry_and_restore_the_recurrent_states_at_their_end() {
+        let recurrent = RecurrentLayers {
+            layers: 2,
+            conv_floats: 3,
+            state_floats: 5,
+        };
+        let layout = KvLayout {
+            num_layers: 1,
+            kv_heads: 1,
+            head_dim: 4,
+            dtype: Dtype::Float32,
+            window: None,
+            recurrent: Some(recurrent),
+        };
+        let state = |seed: f32| -> Vec<f32> { (0..8).map(|i| seed + i as f32).collect() };
+        let mut cache = KvCache::new(layout, 16);
+        cache.set_snapshots(4, vec![6]);
+        // Snapshot points of a 7-token chunk from 0: after positions 4 and 6.
+        assert_eq!(cache.snapshot_points(7), vec![3, 5]);
+        let rows = Array::from_slice(
+            &(0..28).map(|i| i as f32).collect::<Vec<_>>(),
+            &[1, 1, 7, 4],
+        );
+        let negated = rows.multiply(Array::from_f32(-1.0)).unwrap();
+        cache.append(0, &rows, &negated).unwrap();
+        for (position, seed) in [(4, 10.0), (6, 20.0)] {
+            for layer in 0..2 {
+                cache.put_snapshot(position, layer, state(seed + layer as f32 * 100.0));
+            }
+        }
+        for layer in 0..2 {
+            let (conv, rec) = cache.recurrent_state(layer).unwrap();
+            conv.fill(7.0 + layer as f32);
+            rec.fill(-7.0);
+        }
+        cache.advance(7);
+        let whole = cache.export(0, 4).unwrap();
+        let tail = cache.export(4, 6).unwrap();
+        let live = cache.export(4, 7).unwrap();
+        assert_eq!(whole.len(), layout.block_bytes(4));
+        assert_eq!(tail.len(), 2 * 4 * 4 * 2 + recurrent.snapshot_bytes());
+        // No snapshot after 5 tokens: no block ends there.
+        assert!(cache.export(0, 5).is_err());
+
+        let mut resumed = KvCache::new(layout, 16);
+        resumed.import_all(&[(&whole, 4), (&tail, 2)]).unwrap();
+        assert_eq!(resumed.len(), 6);
+        assert_eq!(
+            resumed.export(0, 6).unwrap()[..6 * 32],
+            cache.export(0, 6).unwrap()[..6 * 32]
+        );
+        let (conv, rec) = resumed.recurrent_state(1).unwrap();
+        assert_eq!(
+            (conv.to_vec(), rec.to_vec()),
+            (state(120.0)[..3].to_vec(), state(120.0)[3..].to_vec())
+        );
+        // The live states end the block that ends where the sequence is.
+        let mut at_end = KvCache::new(layout, 16);
+        at_end.import_all(&[(&whole, 4), (&live, 3)]).unwrap();
+        assert_eq!(at_end.recurrent_state(0).unwrap().1.to_vec(), vec![-7.0; 5]);
+        // The leading rows of a block cannot be taken: the states are known at its end only.
+        assert!(KvCache::new(layout, 16).import_all(&[(&whole, 3)]).is_err());
+
+        // Back to a snapshot, not to anywhere else.
+        assert!(cache.truncate(5).is_err());
+        cache.truncate(4).unwrap();
+        assert_eq!(
+            cache.recurrent_state(0).unwrap().0.to_vec(),
+            state(10.0)[..3].to_vec()
+        );
+    }
+
     /// Rows written in place land where MLX's appends put them, across a growth of the
     /// buffers, and rows that do not fit or have the wrong width are refused.
     #[test]
@@ -773,6 +1072,7 @@ mod tests {
             head_dim: 4,
             dtype: Dtype::Float32,
             window: None,
+            recurrent: None,
         };
         let width = layout.kv_heads * layout.head_dim;
         // Token i's K row: head-major values [t, kv_heads * dim], V rows negated.
@@ -829,6 +1129,7 @@ mod tests {
             head_dim: 4,
             dtype: Dtype::Float32,
             window: None,
+            recurrent: None,
         };
         let mut cache = KvCache::new(layout, 16);
         assert_eq!(cache.position_runs(5), vec![(0, 5, 0)]);

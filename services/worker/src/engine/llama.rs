@@ -17,12 +17,13 @@ use mlx_rs::{Array, Dtype};
 
 use super::config::{Architecture, ModelConfig};
 use super::cpu_attention::{self, AttentionInput};
-use super::kv::{KvCache, KvLayout, WindowedLayers};
+use super::kv::{KvCache, KvLayout, RecurrentLayers, WindowedLayers};
 use super::policy::DtypePolicy;
 use super::weights::{Linear, Matrix, TensorStore};
 use super::{EngineError, Result};
 
 mod host_step;
+mod linear_attention;
 mod moe;
 
 /// How a file names its tensors.
@@ -100,6 +101,24 @@ impl TensorNaming {
 
 struct Layer {
     attn_norm: Array,
+    mixer: Mixer,
+    mlp_norm: Array,
+    ffn: FeedForward,
+    /// Gemma's norms on the outputs of attention and of the MLP, before the residual adds.
+    attn_out_norm: Option<Array>,
+    mlp_out_norm: Option<Array>,
+}
+
+/// How a layer mixes tokens: attention over its KV cache, or (hybrid models) a Gated
+/// DeltaNet over a recurrent state.
+enum Mixer {
+    Attention(Box<Attention>),
+    Linear(Box<linear_attention::GatedDeltaNet>),
+}
+
+struct Attention {
+    /// `[heads * head_dim, hidden]`, or twice the rows where the output is gated (Qwen3.5:
+    /// per head, the queries then the gate).
     q: Linear,
     k: Linear,
     v: Linear,
@@ -107,11 +126,6 @@ struct Layer {
     /// Qwen3's per-head RMSNorm weights for queries and keys (`[head_dim]`).
     q_norm: Option<Array>,
     k_norm: Option<Array>,
-    mlp_norm: Array,
-    ffn: FeedForward,
-    /// Gemma's norms on the outputs of attention and of the MLP, before the residual adds.
-    attn_out_norm: Option<Array>,
-    mlp_out_norm: Option<Array>,
 }
 
 /// A layer's MLP: one gated MLP, or a mixture of experts.
@@ -127,11 +141,19 @@ enum FeedForward {
 impl Layer {
     /// The seven projections of a layer with a dense MLP (q, k, v, o, gate, up, down).
     fn dense_projections(&self) -> Option<[&Linear; 7]> {
-        match &self.ffn {
-            FeedForward::Dense { gate, up, down } => {
-                Some([&self.q, &self.k, &self.v, &self.o, gate, up, down])
+        match (&self.mixer, &self.ffn) {
+            (Mixer::Attention(a), FeedForward::Dense { gate, up, down }) => {
+                Some([&a.q, &a.k, &a.v, &a.o, gate, up, down])
             }
-            FeedForward::Experts(_) => None,
+            _ => None,
+        }
+    }
+
+    /// The attention of an attention layer.
+    fn attention(&self) -> Option<&Attention> {
+        match &self.mixer {
+            Mixer::Attention(a) => Some(a.as_ref()),
+            Mixer::Linear(_) => None,
         }
     }
 }
@@ -256,6 +278,38 @@ fn fused_attention(
     )?)
 }
 
+/// Attention's output (`[tokens, heads * dim]`) times `sigmoid(gate)` where the layer gates
+/// it (Qwen3.5).
+fn gated(attn: Array, gate: Option<&Array>) -> Result<Array> {
+    match gate {
+        Some(g) => Ok(attn.multiply(mlx_rs::ops::sigmoid(g)?)?),
+        None => Ok(attn),
+    }
+}
+
+/// Whether a hybrid model's decoder norms (not the gated norm of its linear attention) are
+/// stored as offsets from 1: Hugging Face's Qwen3.5 files, whose convolutions are laid out
+/// `[channels, 1, kernel]`; mlx-lm's conversions move the kernel axis and fold the 1 in (its
+/// `qwen3_5.sanitize`).
+fn hybrid_norms_are_offsets(
+    config: &ModelConfig,
+    store: &TensorStore,
+    naming: TensorNaming,
+) -> Result<bool> {
+    let Some(first) = config
+        .linear_attention
+        .as_ref()
+        .and_then(|l| l.layers.first())
+    else {
+        return Ok(false);
+    };
+    if naming != TensorNaming::HuggingFace {
+        return Ok(false);
+    }
+    let conv = store.require(&format!("model.layers.{first}.linear_attn.conv1d.weight"))?;
+    Ok(conv.shape().last().is_some_and(|&k| k != 1))
+}
+
 /// Whether passes of a few rows run on the host kernels (`host_step`) on a CPU;
 /// `STRATA_HOST_STEPS=0` keeps them on MLX's operations, for measuring one against the other.
 fn host_steps_enabled() -> bool {
@@ -281,10 +335,17 @@ impl Model {
         policy: DtypePolicy,
     ) -> Result<Self> {
         config.validate()?;
+        let hybrid_offset = hybrid_norms_are_offsets(&config, store, naming)?;
         let mut layers = Vec::with_capacity(config.num_layers);
         for i in 0..config.num_layers {
             let name = |part: &str| naming.layer(i, part);
-            let (q, k, v) = if config.arch == Architecture::Phi3
+            let linear = config
+                .linear_attention
+                .as_ref()
+                .filter(|_| config.is_linear_layer(i));
+            let projections = if linear.is_some() {
+                None
+            } else if config.arch == Architecture::Phi3
                 && store.contains(&format!("{}.weight", name("qkv")))
             {
                 // Phi-3 stores q, k and v as one matrix, rows in that order.
@@ -293,15 +354,15 @@ impl Model {
                     .linear_split(&name("qkv"), &[h * hd, kv * hd, kv * hd], policy)?
                     .into_iter();
                 match (parts.next(), parts.next(), parts.next()) {
-                    (Some(q), Some(k), Some(v)) => (q, k, v),
+                    (Some(q), Some(k), Some(v)) => Some((q, k, v)),
                     _ => return Err(EngineError::Mlx("qkv split lost a part".into())),
                 }
             } else {
-                (
+                Some((
                     store.linear(&name("q"), policy)?,
                     store.linear(&name("k"), policy)?,
                     store.linear(&name("v"), policy)?,
-                )
+                ))
             };
             let (gate, up) = if config.is_moe_layer(i) {
                 (None, None)
@@ -341,8 +402,9 @@ impl Model {
             let gemma = config.arch.is_gemma();
             // Gemma's Hugging Face files store each norm as its offset from 1 (its RMSNorm
             // scales by 1 + weight, computed in the weight's dtype, as here); llama.cpp's
-            // converter folds the 1 into GGUF files.
-            let norm_offset = gemma && naming == TensorNaming::HuggingFace;
+            // converter folds the 1 into GGUF files. Qwen3.5's do too, as published; mlx-lm's
+            // conversions add the 1 (`norm_offset` says which, from the convolution's layout).
+            let norm_offset = (gemma && naming == TensorNaming::HuggingFace) || hybrid_offset;
             let norm = |part: &str| -> Result<Array> {
                 let weight = store.vector(&name(part), policy)?;
                 Ok(if norm_offset {
@@ -351,10 +413,32 @@ impl Model {
                     weight
                 })
             };
-            let (q_norm, k_norm) = if config.arch.has_qk_norm() {
+            let (q_norm, k_norm) = if config.arch.has_qk_norm() && linear.is_none() {
                 (Some(norm("q_norm")?), Some(norm("k_norm")?))
             } else {
                 (None, None)
+            };
+            let mixer = match (projections, linear) {
+                (Some((q, k, v)), _) => Mixer::Attention(Box::new(Attention {
+                    q,
+                    k,
+                    v,
+                    o: store.linear(&name("o"), policy)?,
+                    q_norm,
+                    k_norm,
+                })),
+                (None, Some(widths)) => {
+                    Mixer::Linear(Box::new(linear_attention::GatedDeltaNet::load(
+                        store,
+                        i,
+                        widths,
+                        config.rms_norm_eps,
+                        policy,
+                    )?))
+                }
+                (None, None) => {
+                    return Err(EngineError::Config(format!("layer {i} has no token mixer")));
+                }
             };
             let (attn_out_norm, mlp_out_norm) = if gemma {
                 (Some(norm("attn_out_norm")?), Some(norm("mlp_out_norm")?))
@@ -363,12 +447,7 @@ impl Model {
             };
             let layer = Layer {
                 attn_norm: norm("attn_norm")?,
-                q,
-                k,
-                v,
-                o: store.linear(&name("o"), policy)?,
-                q_norm,
-                k_norm,
+                mixer,
                 mlp_norm: norm(if gemma { "gemma_mlp_norm" } else { "mlp_norm" })?,
                 ffn,
                 attn_out_norm,
@@ -378,8 +457,10 @@ impl Model {
             // packed and the expanded weights at once. Everything is evaluated here, norms and
             // biases too: a lazy array is bound to this thread's MLX stream, and the engine
             // runs on another thread (safetensors loads are lazy).
-            for m in [&layer.q, &layer.k, &layer.v, &layer.o] {
-                m.eval()?;
+            if let Some(a) = layer.attention() {
+                for m in [&a.q, &a.k, &a.v, &a.o] {
+                    m.eval()?;
+                }
             }
             if let FeedForward::Dense { gate, up, down } = &layer.ffn {
                 for m in [gate, up, down] {
@@ -388,14 +469,13 @@ impl Model {
             }
             layer.attn_norm.eval()?;
             layer.mlp_norm.eval()?;
-            for norm in [
-                &layer.q_norm,
-                &layer.k_norm,
-                &layer.attn_out_norm,
-                &layer.mlp_out_norm,
-            ]
-            .into_iter()
-            .flatten()
+            let (q_norm, k_norm) = match layer.attention() {
+                Some(a) => (&a.q_norm, &a.k_norm),
+                None => (&None, &None),
+            };
+            for norm in [q_norm, k_norm, &layer.attn_out_norm, &layer.mlp_out_norm]
+                .into_iter()
+                .flatten()
             {
                 norm.eval()?;
             }
@@ -412,7 +492,7 @@ impl Model {
             None
         };
         let mut final_norm = store.vector(naming.final_norm(), policy)?;
-        if config.arch.is_gemma() && naming == TensorNaming::HuggingFace {
+        if (config.arch.is_gemma() && naming == TensorNaming::HuggingFace) || hybrid_offset {
             final_norm = final_norm.add(Array::from_f32(1.0).as_dtype(final_norm.dtype())?)?;
         }
         final_norm.eval()?;
@@ -481,14 +561,37 @@ impl Model {
         self.policy
     }
 
+    /// The cache's layout: K/V for the attention layers (all of them but a hybrid model's
+    /// linear-attention layers, whose recurrent states the cache keeps beside them).
     pub fn kv_layout(&self) -> KvLayout {
+        let c = &self.config;
         KvLayout {
-            num_layers: self.config.num_layers,
-            kv_heads: self.config.num_kv_heads,
-            head_dim: self.config.head_dim,
+            num_layers: c.attention_layers().len(),
+            kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
             dtype: self.policy.kv,
             window: self.window,
+            recurrent: c.linear_attention.as_ref().map(|l| {
+                let shape = strata_cpu_kernels::gated_delta::Shape {
+                    key_heads: l.key_heads,
+                    value_heads: l.value_heads,
+                    key_dim: l.key_dim,
+                    value_dim: l.value_dim,
+                    conv_kernel: l.conv_kernel,
+                };
+                RecurrentLayers {
+                    layers: l.layers.len(),
+                    conv_floats: shape.conv_floats(),
+                    state_floats: shape.state_floats(),
+                }
+            }),
         }
+    }
+
+    /// Whether the model has recurrent (linear-attention) layers: its cache can resume only
+    /// where it holds a snapshot of their states.
+    pub fn is_hybrid(&self) -> bool {
+        self.config.linear_attention.is_some()
     }
 
     /// An empty cache for one sequence, growing `step_tokens` at a time.
@@ -598,10 +701,34 @@ impl Model {
         let few = self.cpu_attention
             && at as usize
                 <= strata_cpu_kernels::matmul::MAX_ROWS.max(super::weights::PACKED_MAX_ROWS);
+        // Each layer's place among the layers that keep K/V, and among the recurrent ones.
+        let (mut kv_index, mut recurrent_index) = (0, 0);
         for (li, layer) in self.layers.iter().enumerate() {
             let window = c.window_of(li);
             let normed = fast::rms_norm(&x, Some(&layer.attn_norm), c.rms_norm_eps)?;
-            let [q, k, v] = Linear::forward_group([&layer.q, &layer.k, &layer.v], &normed, few)?;
+            let att = match &layer.mixer {
+                Mixer::Attention(att) => att,
+                Mixer::Linear(mixer) => {
+                    let out = mixer.forward(&normed, batch, &ranges, recurrent_index, few)?;
+                    recurrent_index += 1;
+                    x = x.add(out)?;
+                    x = self.mlp(layer, &x, few)?;
+                    continue;
+                }
+            };
+            let kvi = kv_index;
+            kv_index += 1;
+            let [q, k, v] = Linear::forward_group([&att.q, &att.k, &att.v], &normed, few)?;
+            // Qwen3.5: each head's rows of q_proj are its queries, then its output gate.
+            let (q, gate) = if c.attention_output_gate {
+                let rows = q.shape()[0];
+                let both = q.reshape(&[rows, h, 2, hd])?;
+                let queries = both.try_index((.., .., 0, ..))?.reshape(&[rows, h * hd])?;
+                let gate = both.try_index((.., .., 1, ..))?.reshape(&[rows, h * hd])?;
+                (queries, Some(gate))
+            } else {
+                (q, None)
+            };
             // Each sequence's queries (RoPE applied) and everything its cache holds.
             let mut inputs = Vec::with_capacity(batch.len());
             for (seq, &(start, end)) in batch.iter_mut().zip(&ranges) {
@@ -619,14 +746,14 @@ impl Model {
                 let held = seq.cache.len() as i32;
                 let positions = seq.cache.position_runs(t as usize);
                 let (mut q, mut k) = (heads(rows(&q)?, h)?, heads(rows(&k)?, hk)?);
-                if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                if let (Some(qn), Some(kn)) = (&att.q_norm, &att.k_norm) {
                     q = fast::rms_norm(&q, Some(qn), c.rms_norm_eps)?;
                     k = fast::rms_norm(&k, Some(kn), c.rms_norm_eps)?;
                 }
                 let q = self.scale_queries(self.rope_runs(&q, li, &positions)?, &positions)?;
                 let k = self.rope_runs(&k, li, &positions)?;
                 let v = heads(rows(&v)?, hk)?;
-                let (keys, values) = seq.cache.append(li, &k, &v)?;
+                let (keys, values) = seq.cache.append(kvi, &k, &v)?;
                 let (keys, values) = if keys.dtype() == q.dtype() {
                     (keys, values)
                 } else {
@@ -647,8 +774,9 @@ impl Model {
                         && cpu_attention::applies(q, keys)
                 });
             if few_queries {
-                let attn = self.few_queries_attention(batch, li, &inputs, scale)?;
-                x = self.attention_residual(layer, &x, &attn, few)?;
+                let attn = self.few_queries_attention(batch, li, kvi, &inputs, scale)?;
+                let attn = gated(attn, gate.as_ref())?;
+                x = self.attention_residual(layer, att, &x, &attn, few)?;
                 x = self.mlp(layer, &x, few)?;
                 continue;
             }
@@ -685,7 +813,8 @@ impl Model {
             } else {
                 concatenate(&outputs, 0)?
             };
-            x = self.attention_residual(layer, &x, &attn, few)?;
+            let attn = gated(attn, gate.as_ref())?;
+            x = self.attention_residual(layer, att, &x, &attn, few)?;
             x = self.mlp(layer, &x, few)?;
         }
         for (seq, &(start, end)) in batch.iter_mut().zip(&ranges) {
@@ -723,11 +852,12 @@ impl Model {
     fn attention_residual(
         &self,
         layer: &Layer,
+        att: &Attention,
         x: &Array,
         attn: &Array,
         few: bool,
     ) -> Result<Array> {
-        let out = layer.o.forward_on(attn, few)?;
+        let out = att.o.forward_on(attn, few)?;
         let out = match &layer.attn_out_norm {
             Some(norm) => fast::rms_norm(&out, Some(norm), self.config.rms_norm_eps)?,
             None => out,
@@ -764,6 +894,7 @@ impl Model {
         &self,
         batch: &[SeqChunk<'_>],
         li: usize,
+        kv_index: usize,
         inputs: &[(Array, Array, Array)],
         scale: f32,
     ) -> Result<Array> {
@@ -772,7 +903,7 @@ impl Model {
         for seq in batch {
             buffers.push(
                 seq.cache
-                    .layer_buffers(li)
+                    .layer_buffers(kv_index)
                     .ok_or_else(|| EngineError::Mlx("no KV buffers after an append".into()))?,
             );
         }

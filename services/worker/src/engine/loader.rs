@@ -275,12 +275,13 @@ fn open_folder(dir: &Path, policy: DtypePolicy) -> Result<OpenedFolder> {
     let wrapper = raw
         .get("model_type")
         .and_then(|t| t.as_str())
-        .filter(|t| ["gemma3", "mistral3"].contains(t))
+        .filter(|t| ["gemma3", "mistral3", "qwen3_5", "qwen3_5_moe"].contains(t))
         .map(str::to_string);
     let language_model = wrapper.is_some();
     let raw = match wrapper.as_deref() {
         Some("gemma3") => gemma3_text_config(&raw)?,
-        Some(_) => mistral3_text_config(&raw)?,
+        Some("mistral3") => mistral3_text_config(&raw)?,
+        Some(_) => qwen3_5_text_config(&raw)?,
         None => raw,
     };
     let hf: HfConfig = serde_json::from_value(raw)
@@ -329,7 +330,13 @@ const LANGUAGE_MODEL: &str = "language_model.";
 /// others (a top-level `lm_head`) as they are; None for the vision tower's and projector's
 /// (mlx-lm's `gemma3` and `mistral3` sanitizers).
 fn language_model_tensor(name: &str) -> Option<String> {
-    if name.contains("vision_tower") || name.contains("multi_modal_projector") {
+    // The vision tower and projector, and Qwen3.5's vision model (`model.visual`) and
+    // multi-token-prediction head (`mtp.`), which serving text does not use.
+    if name.contains("vision_tower")
+        || name.contains("multi_modal_projector")
+        || name.starts_with("model.visual.")
+        || name.starts_with("mtp.")
+    {
         return None;
     }
     if let Some(rest) = name.strip_prefix("model.language_model.") {
@@ -353,6 +360,25 @@ fn mistral3_text_config(raw: &serde_json::Value) -> Result<serde_json::Value> {
         .ok_or_else(|| EngineError::Load("a mistral3 config.json without text_config".into()))?;
     if config.get("tie_word_embeddings").is_none() {
         config["tie_word_embeddings"] = false.into();
+    }
+    move_quantization(raw, &mut config);
+    Ok(config)
+}
+
+/// The text decoder config of a Qwen3.5 (`qwen3_5`, `qwen3_5_moe`) vision-language
+/// config.json: its `text_config`, the head tied only where the wrapper says so (mlx-lm's
+/// `qwen3_5.ModelArgs`).
+fn qwen3_5_text_config(raw: &serde_json::Value) -> Result<serde_json::Value> {
+    let mut config = raw
+        .get("text_config")
+        .filter(|t| t.is_object())
+        .cloned()
+        .ok_or_else(|| EngineError::Load("a qwen3_5 config.json without text_config".into()))?;
+    if config.get("tie_word_embeddings").is_none() {
+        config["tie_word_embeddings"] = raw
+            .get("tie_word_embeddings")
+            .cloned()
+            .unwrap_or(false.into());
     }
     move_quantization(raw, &mut config);
     Ok(config)

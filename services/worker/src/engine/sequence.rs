@@ -132,7 +132,16 @@ impl Sequence {
         let cached = if prune.is_some() { &[][..] } else { cached };
         let block = model.block_tokens;
         let body = req.prompt.len() - 1;
-        let mut cache = model.model.new_cache(options.kv_step_tokens);
+        // A hybrid model's recurrent states are snapshotted where a block may end: every
+        // block end and the end of the prompt's body (its partial tail).
+        let fresh_cache = || {
+            let mut cache = model.model.new_cache(options.kv_step_tokens);
+            if model.model.is_hybrid() {
+                cache.set_snapshots(block, vec![body]);
+            }
+            cache
+        };
+        let mut cache = fresh_cache();
         // Whole blocks, then at most one partial one, never reaching the last token.
         let mut usable = Vec::new();
         let mut covered = 0;
@@ -156,7 +165,7 @@ impl Sequence {
                     "the cached KV did not fit this model ({e}): the prompt was computed"
                 ),
             });
-            cache = model.model.new_cache(options.kv_step_tokens);
+            cache = fresh_cache();
             imported = 0;
         }
         let spec = match (speculative::plan(model, &req), &model.draft) {
@@ -639,8 +648,8 @@ impl Sequence {
         spec.stats.drafted += drafted.len();
         spec.stats.accepted += verdict.accepted;
         // The target keeps the fed token and the accepted drafts; the draft never holds more.
-        self.cache.truncate(held + 1 + verdict.accepted);
-        spec.cache_truncate(held + 1 + verdict.accepted);
+        self.cache.truncate(held + 1 + verdict.accepted)?;
+        spec.cache_truncate(held + 1 + verdict.accepted)?;
         let before = self.tokens.len();
         for token in verdict.tokens {
             self.take(model, speculative::plain(token), emit)?;
@@ -651,7 +660,7 @@ impl Sequence {
         // A finish part-way leaves KV of tokens that were never output: keep the fed token
         // and the taken ones but the last (the next to feed).
         self.cache
-            .truncate(held + (self.tokens.len() - before).max(1));
+            .truncate(held + (self.tokens.len() - before).max(1))?;
         Ok(())
     }
 

@@ -65,6 +65,9 @@ pub fn plan(model: &LoadedModel, req: &GenerateRequest) -> Plan {
         {
             "the model has sliding-window layers".to_string()
         }
+        Some(d) if model.model.is_hybrid() || d.model.is_hybrid() => {
+            "the model has recurrent (linear-attention) layers, which read every token".to_string()
+        }
         Some(_) if n < MIN_PROMPT_TOKENS => {
             format!("the prompt has {n} tokens; pruning starts at {MIN_PROMPT_TOKENS}")
         }

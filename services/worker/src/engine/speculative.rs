@@ -135,6 +135,8 @@ pub fn plan(model: &LoadedModel, req: &GenerateRequest) -> Plan {
         "repetition, presence and frequency penalties change with every accepted token"
     } else if !req.images.is_empty() {
         "the prompt has images, and the draft reads text only"
+    } else if model.model.is_hybrid() || draft.model.is_hybrid() {
+        "recurrent (linear-attention) layers cannot take back rejected drafts"
     } else if req.prompt.len() + req.max_tokens + draft.tokens > draft.model.config().context_length
     {
         return Plan::NotApplied(format!(
@@ -180,8 +182,8 @@ impl Speculation {
     }
 
     /// Forgets draft KV after `len` tokens (it never holds more than the target kept).
-    pub fn cache_truncate(&mut self, len: usize) {
-        self.cache.truncate(len);
+    pub fn cache_truncate(&mut self, len: usize) -> Result<()> {
+        self.cache.truncate(len)
     }
 }
 
@@ -205,7 +207,7 @@ pub fn propose(
     sampler: &mut Sampler,
 ) -> Result<(Vec<u32>, Vec<Distribution>)> {
     let held = spec.cache.len().min(history.len() - 1);
-    spec.cache.truncate(held);
+    spec.cache.truncate(held)?;
     let mut feed = history[held..].to_vec();
     let mut tokens = Vec::with_capacity(k);
     let mut dists = Vec::with_capacity(k);

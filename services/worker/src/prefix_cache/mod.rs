@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use prost::bytes::Bytes;
-use strata_kvblock::block::{BlockKey, Continuation, make_block_of, root_of};
+use strata_kvblock::block::{BlockKey, Continuation, make_block_of, root_of, with_recurrent_state};
 use strata_kvblock::client::CacheClient;
 use strata_proto::kvcache::{Block, LookupRequest, Tier};
 use tokio::sync::mpsc;
@@ -45,13 +45,18 @@ pub enum Reuse {
     /// prompt. With the engine's chunk ends fixed by position, a hit is bit-identical with a
     /// cold run that has the same boundaries.
     Exact,
+    /// Hybrid models (recurrent layers): whole blocks and partial ones whose tokens all
+    /// continue the prompt, as `Exact`, since a recurrent state resumes only where a snapshot
+    /// of it was taken (every block end, and the end of each stored partial tail). A hit
+    /// equals a cold run within rounding.
+    AtSnapshots,
 }
 
 impl Reuse {
     fn continuation(self, block_tokens: usize) -> Continuation {
         match self {
             Reuse::CommonPrefix => Continuation::CommonPrefix,
-            Reuse::Exact => Continuation::WholePartial { block_tokens },
+            Reuse::Exact | Reuse::AtSnapshots => Continuation::WholePartial { block_tokens },
         }
     }
 
@@ -61,6 +66,10 @@ impl Reuse {
                 "reuse at token granularity (a hit equals a cold run within floating-point rounding)"
             }
             Reuse::Exact => "block-granular reuse (cache.exact: hits are bit-identical)",
+            Reuse::AtSnapshots => {
+                "reuse at stored block ends (a hybrid model's recurrent states resume only at \
+                 their snapshots; token-granular reuse does not apply)"
+            }
         }
     }
 }
@@ -112,6 +121,9 @@ pub struct PrefixCache {
     dtype: mlx_rs::Dtype,
     /// Blocks are stored quantised with this scheme (None: in the live dtype).
     quant: Option<KvQuant>,
+    /// Hybrid models: (recurrent layers, floats of each one's state), whose snapshots end
+    /// every block's payload.
+    recurrent: Option<(u32, u64)>,
     /// Blocks to store, each with the span of the request that computed it.
     store: mpsc::Sender<(Block, tracing::Span)>,
     pub stats: Arc<PrefixStats>,
@@ -175,6 +187,9 @@ impl PrefixCache {
             block_tokens,
             dtype: layout.dtype,
             quant,
+            recurrent: layout
+                .recurrent
+                .map(|r| (r.layers as u32, r.floats() as u64)),
             layout: (
                 layout.num_layers as u32,
                 layout.kv_heads as u32,
@@ -414,6 +429,9 @@ impl PrefixCache {
             if let (Some(q), Some(h)) = (this.quant, made.header.as_mut()) {
                 h.kv_quant = q.scheme().to_string();
             }
+            if let Some((layers, floats)) = this.recurrent {
+                made = with_recurrent_state(made, layers, floats);
+            }
             let under = parent.unwrap_or_else(|| root_of(&this.namespace));
             lock(&this.l0).insert(under, block.tokens, key, made.payload.clone());
             tracing::trace!(index = block.index, partial, prompt_len, "block finished");
@@ -537,6 +555,7 @@ mod tests {
             head_dim: 64,
             dtype: mlx_rs::Dtype::Float32,
             window: None,
+            recurrent: None,
         };
         let cache = |q| PrefixCache::new(None, 1 << 20, "model", 4, layout, q);
         let (plain, q8, q4) = (

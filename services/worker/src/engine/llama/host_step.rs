@@ -108,8 +108,16 @@ impl HostWeights {
             layers.push(HostLayer {
                 attn_norm: to_vec(&l.attn_norm)?,
                 mlp_norm: to_vec(&l.mlp_norm)?,
-                q_norm: l.q_norm.as_ref().map(to_vec).transpose()?,
-                k_norm: l.k_norm.as_ref().map(to_vec).transpose()?,
+                q_norm: l
+                    .attention()
+                    .and_then(|a| a.q_norm.as_ref())
+                    .map(to_vec)
+                    .transpose()?,
+                k_norm: l
+                    .attention()
+                    .and_then(|a| a.k_norm.as_ref())
+                    .map(to_vec)
+                    .transpose()?,
                 attn_out_norm: l.attn_out_norm.as_ref().map(to_vec).transpose()?,
                 mlp_out_norm: l.mlp_out_norm.as_ref().map(to_vec).transpose()?,
                 biases: [

@@ -1,4 +1,4 @@
-//! Mixture-of-experts MLPs (Qwen3-MoE): a router scores every expert for each token, the
+//! Mixture-of-experts MLPs (Qwen3-MoE, Qwen2-MoE, Qwen3.5-MoE): a router scores every expert for each token, the
 //! `per_token` best are run and their outputs summed, weighted by the router's probabilities
 //! (renormalised over the chosen ones where the model says so). The experts' weights are
 //! stacked per projection (`[experts, out, in]`) and applied with MLX's `gather_mm` (or
@@ -85,6 +85,28 @@ impl ExpertWeights {
     }
 }
 
+/// One projection of Qwen3.5-MoE's fused expert tensors, `[experts, out, in]`.
+fn fused_expert_projection(store: &TensorStore, prefix: &str, part: &str) -> Result<Array> {
+    if part == "down_proj" {
+        return Ok(store
+            .require(&format!("{prefix}.experts.down_proj"))?
+            .clone());
+    }
+    let fused = store.require(&format!("{prefix}.experts.gate_up_proj"))?;
+    let rows = fused.shape().get(1).copied().unwrap_or(0);
+    if fused.ndim() != 3 || rows % 2 != 0 {
+        return Err(EngineError::Config(format!(
+            "{prefix}.experts.gate_up_proj: shape {:?}, expected [experts, 2 * width, hidden]",
+            fused.shape()
+        )));
+    }
+    let mid = rows / 2;
+    Ok(match part {
+        "gate_proj" => fused.try_index((.., ..mid, ..))?,
+        _ => fused.try_index((.., mid.., ..))?,
+    })
+}
+
 impl MoeMlp {
     /// Layer `layer`'s router (`mlp.gate`) and experts: Hugging Face's one tensor per expert
     /// (`mlp.experts.E.gate_proj`) or mlx-lm's stacked `mlp.switch_mlp.gate_proj`, dense.
@@ -131,6 +153,12 @@ impl MoeMlp {
             }
             let weight = match store.get(&format!("{stacked}.weight")) {
                 Some(w) => w.clone(),
+                // Qwen3.5-MoE as published: gate and up fused per expert
+                // (`experts.gate_up_proj`, `[experts, 2 * width, hidden]`, gate rows first) and
+                // `experts.down_proj`, without a `.weight` suffix (mlx-lm's sanitize splits them).
+                None if store.contains(&format!("{prefix}.experts.gate_up_proj")) => {
+                    fused_expert_projection(store, &prefix, part)?
+                }
                 None => {
                     let each = (0..experts.count)
                         .map(|e| store.require(&format!("{prefix}.experts.{e}.{part}.weight")))

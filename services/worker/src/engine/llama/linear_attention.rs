@@ -1,0 +1,175 @@
+//! Gated DeltaNet layers of hybrid models (Qwen3.5, Qwen3.6): four projections of the
+//! normalised input (the convolution's channels `qkv`, the output gate `z`, and per value head
+//! `b` and `a`), then the token mixer of `strata_cpu_kernels::gated_delta` (causal convolution,
+//! gated delta rule, gated RMSNorm) on each sequence's own recurrent state, then `out_proj`.
+//! The arithmetic of mlx-lm's `qwen3_5.GatedDeltaNet`.
+//!
+//! The mixer runs on the host whatever the device: MLX has no fused kernel for it off Metal
+//! (mlx-lm loops over tokens with a dozen small operations each), and the state it updates is
+//! what the prefix cache snapshots, so it lives in host memory anyway (`KvCache`). On a GPU
+//! this costs a synchronisation and a copy of the projections per layer: measured and moved
+//! to the device with the issue's GPU work, not here.
+
+use mlx_rs::{Array, Dtype};
+use strata_cpu_kernels::gated_delta::{self, Shape};
+
+use super::super::config::LinearAttention;
+use super::super::policy::DtypePolicy;
+use super::super::weights::{Linear, TensorStore};
+use super::super::{EngineError, Result};
+use super::SeqChunk;
+
+pub(super) struct GatedDeltaNet {
+    qkv: Linear,
+    z: Linear,
+    b: Linear,
+    a: Linear,
+    out: Linear,
+    /// The depthwise convolution, `[channels, kernel]`.
+    conv: Vec<f32>,
+    a_log: Vec<f32>,
+    dt_bias: Vec<f32>,
+    /// The gated RMSNorm's weight (a plain weight, never stored as an offset from 1).
+    norm: Vec<f32>,
+    eps: f32,
+    shape: Shape,
+}
+
+fn host_vector(a: &Array) -> Result<Vec<f32>> {
+    let a = a.as_dtype(Dtype::Float32)?;
+    a.eval()?;
+    Ok(a.try_as_slice::<f32>()
+        .map_err(|e| EngineError::Mlx(format!("reading a linear-attention weight: {e}")))?
+        .to_vec())
+}
+
+impl GatedDeltaNet {
+    /// Layer `layer`'s `linear_attn` tensors, Hugging Face's layout (convolution
+    /// `[channels, 1, kernel]`) or mlx-lm's (`[channels, kernel, 1]`).
+    pub(super) fn load(
+        store: &TensorStore,
+        layer: usize,
+        widths: &LinearAttention,
+        eps: f32,
+        policy: DtypePolicy,
+    ) -> Result<Self> {
+        let prefix = format!("model.layers.{layer}.linear_attn");
+        let name = |part: &str| format!("{prefix}.{part}");
+        let shape = Shape {
+            key_heads: widths.key_heads,
+            value_heads: widths.value_heads,
+            key_dim: widths.key_dim,
+            value_dim: widths.value_dim,
+            conv_kernel: widths.conv_kernel,
+        };
+        let conv_weight = store.require(&name("conv1d.weight"))?;
+        let channels = shape.channels();
+        let kernel = shape.conv_kernel;
+        let conv_shape = conv_weight.shape();
+        let conv_ok = conv_shape.len() == 3
+            && conv_shape[0] as usize == channels
+            && (conv_shape[1..] == [1, kernel as i32] || conv_shape[1..] == [kernel as i32, 1]);
+        if !conv_ok {
+            return Err(EngineError::Config(format!(
+                "{}: shape {conv_shape:?}, expected [{channels}, 1, {kernel}] or \
+                 [{channels}, {kernel}, 1]",
+                name("conv1d.weight")
+            )));
+        }
+        let per_head = |part: &str, n: usize| -> Result<Vec<f32>> {
+            let v = host_vector(store.require(&name(part))?)?;
+            if v.len() != n {
+                return Err(EngineError::Config(format!(
+                    "{}: {} values, expected {n}",
+                    name(part),
+                    v.len()
+                )));
+            }
+            Ok(v)
+        };
+        let layer = Self {
+            qkv: store.linear(&name("in_proj_qkv"), policy)?,
+            z: store.linear(&name("in_proj_z"), policy)?,
+            b: store.linear(&name("in_proj_b"), policy)?,
+            a: store.linear(&name("in_proj_a"), policy)?,
+            out: store.linear(&name("out_proj"), policy)?,
+            // Both layouts hold [channels, kernel] in memory order (one axis is 1).
+            conv: host_vector(conv_weight)?,
+            a_log: per_head("A_log", shape.value_heads)?,
+            dt_bias: per_head("dt_bias", shape.value_heads)?,
+            norm: per_head("norm.weight", shape.value_dim)?,
+            eps,
+            shape,
+        };
+        for m in [&layer.qkv, &layer.z, &layer.b, &layer.a, &layer.out] {
+            m.eval()?;
+        }
+        Ok(layer)
+    }
+
+    /// The layer's output (before the residual add) for `x` (`[tokens, hidden]`, normalised),
+    /// the tokens of `batch`'s sequences at `ranges` in order; `index` is the layer's place
+    /// among the recurrent layers, whose state each sequence's cache holds. States advance
+    /// by the chunk; the cache snapshots them where it asks to (`KvCache::snapshot_points`).
+    pub(super) fn forward(
+        &self,
+        x: &Array,
+        batch: &mut [SeqChunk<'_>],
+        ranges: &[(i32, i32)],
+        index: usize,
+        few: bool,
+    ) -> Result<Array> {
+        let [qkv, z] = Linear::forward_group([&self.qkv, &self.z], x, few)?;
+        let [b, a] = Linear::forward_group([&self.b, &self.a], x, few)?;
+        let parts = [qkv, z, b, a]
+            .into_iter()
+            .map(|p| p.as_dtype(Dtype::Float32))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        mlx_rs::transforms::eval(&parts)?;
+        let read = |p: &Array| -> Result<Vec<f32>> {
+            Ok(p.try_as_slice::<f32>()
+                .map_err(|e| EngineError::Mlx(format!("reading linear-attention inputs: {e}")))?
+                .to_vec())
+        };
+        let (qkv, z, b, a) = (
+            read(&parts[0])?,
+            read(&parts[1])?,
+            read(&parts[2])?,
+            read(&parts[3])?,
+        );
+        let shape = self.shape;
+        let (channels, heads) = (shape.channels(), shape.value_heads);
+        let width = heads * shape.value_dim;
+        let weights = gated_delta::Weights {
+            conv: &self.conv,
+            a_log: &self.a_log,
+            dt_bias: &self.dt_bias,
+            norm: &self.norm,
+            eps: self.eps,
+        };
+        let tokens = ranges.last().map_or(0, |&(_, end)| end as usize);
+        let mut mixed = Vec::with_capacity(tokens * width);
+        for (seq, &(start, end)) in batch.iter_mut().zip(ranges) {
+            let (start, end) = (start as usize, end as usize);
+            let held = seq.cache.len();
+            let snapshots_after = seq.cache.snapshot_points(end - start);
+            let (conv, recurrent) = seq.cache.recurrent_state(index)?;
+            let inputs = gated_delta::Inputs {
+                qkv: &qkv[start * channels..end * channels],
+                z: &z[start * width..end * width],
+                b: &b[start * heads..end * heads],
+                a: &a[start * heads..end * heads],
+            };
+            let state = gated_delta::State { conv, recurrent };
+            let (out, snapshots) =
+                gated_delta::forward(shape, &weights, &inputs, state, &snapshots_after);
+            for (&i, snapshot) in snapshots_after.iter().zip(snapshots) {
+                seq.cache.put_snapshot(held + i + 1, index, snapshot);
+            }
+            mixed.extend_from_slice(&out);
+        }
+        let mixed =
+            Array::from_slice(&mixed, &[tokens as i32, width as i32]).as_dtype(x.dtype())?;
+        self.out.forward_on(&mixed, few)
+    }
+}
