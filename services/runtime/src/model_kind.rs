@@ -10,9 +10,17 @@ pub fn is_bert_encoder(config: &serde_json::Value) -> bool {
     config["model_type"].as_str() == Some("bert") || bert_arch
 }
 
-/// A vision-language model: the config has a vision tower.
+/// Vision-language checkpoints whose text decoder the worker serves as a chat model, leaving
+/// the vision tower out (the worker logs it and refuses images).
+const TEXT_DECODER_SERVED: [&str; 4] = ["gemma3", "mistral3", "qwen3_5", "qwen3_5_moe"];
+
+/// A vision-language model served as one (LLaVA): the config has a vision tower, and is not
+/// one of the checkpoints whose text decoder is served alone.
 pub fn has_vision_tower(config: &serde_json::Value) -> bool {
-    config.get("vision_config").is_some()
+    let text_only = config["model_type"]
+        .as_str()
+        .is_some_and(|t| TEXT_DECODER_SERVED.contains(&t));
+    config.get("vision_config").is_some() && !text_only
 }
 
 #[cfg(test)]
@@ -27,5 +35,14 @@ mod tests {
         assert!(!is_bert_encoder(&json!({"model_type": "llama"})));
         assert!(has_vision_tower(&json!({"vision_config": {}})));
         assert!(!has_vision_tower(&json!({"model_type": "qwen2"})));
+        // Served as text decoders (the worker leaves their vision towers out).
+        for t in ["gemma3", "mistral3", "qwen3_5", "qwen3_5_moe"] {
+            assert!(!has_vision_tower(
+                &json!({"model_type": t, "vision_config": {}})
+            ));
+        }
+        assert!(has_vision_tower(
+            &json!({"model_type": "llava", "vision_config": {}})
+        ));
     }
 }
