@@ -145,15 +145,15 @@ pub struct LinearAttention {
 }
 
 impl LinearAttention {
-    /// Channels of the convolution: queries, keys and values side by side.
-    pub fn conv_channels(&self) -> usize {
-        2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
-    }
-
-    /// Floats of one layer's state: the convolution's inputs, then the recurrent state.
-    pub fn state_floats(&self) -> usize {
-        (self.conv_kernel - 1) * self.conv_channels()
-            + self.value_heads * self.value_dim * self.key_dim
+    /// The widths the Gated DeltaNet kernel takes (and sizes the states by).
+    pub fn shape(&self) -> strata_cpu_kernels::gated_delta::Shape {
+        strata_cpu_kernels::gated_delta::Shape {
+            key_heads: self.key_heads,
+            value_heads: self.value_heads,
+            key_dim: self.key_dim,
+            value_dim: self.value_dim,
+            conv_kernel: self.conv_kernel,
+        }
     }
 }
 

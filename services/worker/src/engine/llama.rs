@@ -572,13 +572,7 @@ impl Model {
             dtype: self.policy.kv,
             window: self.window,
             recurrent: c.linear_attention.as_ref().map(|l| {
-                let shape = strata_cpu_kernels::gated_delta::Shape {
-                    key_heads: l.key_heads,
-                    value_heads: l.value_heads,
-                    key_dim: l.key_dim,
-                    value_dim: l.value_dim,
-                    conv_kernel: l.conv_kernel,
-                };
+                let shape = l.shape();
                 RecurrentLayers {
                     layers: l.layers.len(),
                     conv_floats: shape.conv_floats(),

@@ -55,13 +55,7 @@ impl GatedDeltaNet {
     ) -> Result<Self> {
         let prefix = format!("model.layers.{layer}.linear_attn");
         let name = |part: &str| format!("{prefix}.{part}");
-        let shape = Shape {
-            key_heads: widths.key_heads,
-            value_heads: widths.value_heads,
-            key_dim: widths.key_dim,
-            value_dim: widths.value_dim,
-            conv_kernel: widths.conv_kernel,
-        };
+        let shape = widths.shape();
         let conv_weight = store.require(&name("conv1d.weight"))?;
         let channels = shape.channels();
         let kernel = shape.conv_kernel;
