@@ -22,6 +22,11 @@ pub struct Admission {
     hidden: u64,
     intermediate: u64,
     vocab: u64,
+    /// Hybrid models: bytes of one snapshot of every recurrent layer's state (a sequence
+    /// holds its live states and the snapshots its blocks will carry), and the block size
+    /// the snapshots are taken at.
+    recurrent_state_bytes: u64,
+    snapshot_every_tokens: u64,
     /// Every request admitted (see `skipped_for_tests`).
     pub skipped: bool,
 }
@@ -100,8 +105,29 @@ impl Admission {
             hidden: config.hidden_size as u64,
             intermediate: config.intermediate_size as u64,
             vocab: config.vocab_size as u64,
+            recurrent_state_bytes: layout.recurrent.map_or(0, |r| r.snapshot_bytes() as u64),
+            snapshot_every_tokens: 0,
             skipped: skipped_for_tests(),
         }
+    }
+
+    /// Hybrid models snapshot their recurrent states every `block_tokens` (block ends); a
+    /// sequence keeps the snapshots of a prefill chunk until its blocks are stored, and those
+    /// of its answer until it ends.
+    pub fn with_snapshots_every(mut self, block_tokens: usize) -> Self {
+        self.snapshot_every_tokens = block_tokens.max(1) as u64;
+        self
+    }
+
+    /// A sequence's recurrent states: the live ones and the snapshots it may hold at once
+    /// (a chunk's block ends and the body's end, then its answer's block ends).
+    fn recurrent_need(&self, chunk: u64, max_tokens: u64) -> u64 {
+        if self.recurrent_state_bytes == 0 {
+            return 0;
+        }
+        let every = self.snapshot_every_tokens.max(1);
+        let snapshots = chunk.div_ceil(every) + max_tokens.div_ceil(every) + 2;
+        (1 + snapshots) * self.recurrent_state_bytes
     }
 
     /// Counts KV a draft model keeps next to the target's, per token (speculative decoding
@@ -122,7 +148,8 @@ impl Admission {
         let scores = 2 * chunk * tokens * self.heads * 4;
         let mlp = chunk * (4 * self.hidden + 3 * self.intermediate) * 4;
         let logits = 2 * self.vocab * 4;
-        (kv + scores + mlp + logits) * 5 / 4
+        let states = self.recurrent_need(chunk, max_tokens as u64);
+        (kv + scores + mlp + logits + states) * 5 / 4
     }
 
     /// Reserves what a request needs for as long as the returned guard lives. `Busy` when it
@@ -250,8 +277,30 @@ mod tests {
             hidden: 576,
             intermediate: 1536,
             vocab: 49_152,
+            recurrent_state_bytes: 0,
+            snapshot_every_tokens: 0,
             skipped: false,
         }
+    }
+
+    /// A hybrid model's sequence holds its recurrent states and the snapshots of a chunk and
+    /// of its answer: Qwen3.6-35B-A3B's 30 linear layers are ~66 MB a snapshot in f32, so a
+    /// request that fits as KV alone can be refused for its states.
+    #[test]
+    fn recurrent_states_and_their_snapshots_are_counted() {
+        let plain = admission(1 << 30);
+        let hybrid = Admission {
+            recurrent_state_bytes: 66 << 20,
+            ..admission(1 << 30)
+        }
+        .with_snapshots_every(256);
+        // Live states + 1 chunk snapshot + 1 answer snapshot + 2 = 5 snapshots of 66 MiB.
+        let extra = hybrid.need(256, 100) - plain.need(256, 100);
+        assert_eq!(extra, 5 * (66 << 20) * 5 / 4);
+        // More answer blocks, more snapshots held until the end.
+        assert!(hybrid.need(256, 1000) - plain.need(256, 1000) > extra);
+        assert!(plain.check(256, 100).is_ok());
+        assert!(hybrid.check(256, 2000).is_err());
     }
 
     #[test]

@@ -611,6 +611,7 @@ fn serving(
     if let Some(d) = &loaded.draft {
         admission = admission.with_draft_kv(d.model.kv_layout().bytes_per_token() as u64);
     }
+    admission = admission.with_snapshots_every(loaded.block_tokens);
     if admission.skipped {
         tracing::warn!(
             "memory admission is OFF ({}=1, debug build): requests that do not fit are run anyway",
