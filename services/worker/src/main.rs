@@ -342,6 +342,7 @@ fn main() -> anyhow::Result<()> {
                 stop_token_ids: Vec::new(),
                 ignore_eos: false,
                 prefill_breaks: Vec::new(),
+                message_ends: Vec::new(),
                 images: Vec::new(),
                 grammar: None,
                 speculative: None,

@@ -564,3 +564,50 @@ fn gemma3_served_with_released_rows_stores_blocks_and_resumes_from_them() {
         assert_eq!(warm.tokens, want, "warm from {n} blocks + {partial}");
     }
 }
+
+/// A hybrid model stores a partial block at each message end it is told of, carrying the
+/// recurrent states there: a prompt that shares the conversation up to that message end and
+/// then asks something else resumes exactly there (not at the block end before it), and
+/// answers as a cold run does.
+#[test]
+fn qwen3_5_resumes_at_a_message_end_inside_a_block() {
+    let m = loader::open(&family_dir("qwen3_5"), DtypePolicy::F32, BLOCK).unwrap();
+    let (_, cases) = cases("qwen3_5");
+    let prompt = cases[2].input.clone();
+    let ends = [20, 45];
+    let first = GenerateRequest {
+        ignore_eos: true,
+        message_ends: ends.to_vec(),
+        ..GenerateRequest::greedy(prompt.clone(), 6)
+    };
+    let (_, blocks) = generate(&m, &first, &[]);
+    for end in ends {
+        let partial = blocks
+            .iter()
+            .find(|b| b.tokens.len() < BLOCK && b.index * BLOCK + b.tokens.len() == end)
+            .unwrap_or_else(|| panic!("no partial block at the message end {end}"));
+        let mut cached: Vec<CachedKv<'_>> = blocks
+            .iter()
+            .filter(|b| b.tokens.len() == BLOCK && b.index < end / BLOCK)
+            .map(|b| CachedKv {
+                bytes: &b.bytes,
+                tokens: BLOCK,
+            })
+            .collect();
+        cached.push(CachedKv {
+            bytes: &partial.bytes,
+            tokens: partial.tokens.len(),
+        });
+        // The same conversation up to `end`, then another question.
+        let mut other = prompt[..end].to_vec();
+        other.extend(prompt[end..].iter().map(|t| (t + 7) % 250));
+        let req = GenerateRequest {
+            ignore_eos: true,
+            ..GenerateRequest::greedy(other, 6)
+        };
+        let (cold, _) = generate(&m, &req, &[]);
+        let (warm, _) = generate(&m, &req, &cached);
+        assert_eq!(warm.cached_tokens, end, "resumed at the message end");
+        assert_eq!(warm.tokens, cold.tokens, "warm from the message end {end}");
+    }
+}

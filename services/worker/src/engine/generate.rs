@@ -30,6 +30,10 @@ pub struct GenerateRequest {
     /// block ends a chunk where that block ended; a cold run given the same breaks repeats
     /// its arithmetic exactly (used to verify partial-tail hits).
     pub prefill_breaks: Vec<usize>,
+    /// Where the prompt's chat messages end (token positions), for hybrid models: their
+    /// recurrent states are snapshotted there and a partial block stored, so that a later
+    /// prompt that shares the conversation up to a message end resumes exactly there.
+    pub message_ends: Vec<usize>,
     /// Images whose features fill the prompt's image positions, in order (VLMs).
     pub images: Vec<PromptImage>,
     /// Structured output: only tokens this grammar allows are sampled.
@@ -52,6 +56,7 @@ impl GenerateRequest {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             prefill_breaks: Vec::new(),
+            message_ends: Vec::new(),
             images: Vec::new(),
             grammar: None,
             speculative: None,

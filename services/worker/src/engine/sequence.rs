@@ -53,6 +53,8 @@ pub struct Sequence {
     /// See `EngineOptions::last_token_alone`.
     last_token_alone: bool,
     pub cache: KvCache,
+    /// Hybrid models: message ends inside blocks, where partial blocks are stored.
+    message_ends: Vec<usize>,
     prefilled: usize,
     cached_tokens: usize,
     /// Whole blocks imported or handed to the sink.
@@ -133,11 +135,22 @@ impl Sequence {
         let block = model.block_tokens;
         let body = req.prompt.len() - 1;
         // A hybrid model's recurrent states are snapshotted where a block may end: every
-        // block end and the end of the prompt's body (its partial tail).
+        // block end, the end of the prompt's body (its partial tail) and its message ends.
+        let message_ends: Vec<usize> = if model.model.is_hybrid() {
+            req.message_ends
+                .iter()
+                .copied()
+                .filter(|&m| m > 0 && m < body && m % block != 0)
+                .collect()
+        } else {
+            Vec::new()
+        };
         let fresh_cache = || {
             let mut cache = model.model.new_cache(options.kv_step_tokens);
             if model.model.is_hybrid() {
-                cache.set_snapshots(block, vec![body]);
+                let mut at = message_ends.clone();
+                at.push(body);
+                cache.set_snapshots(block, at);
             }
             cache
         };
@@ -188,6 +201,7 @@ impl Sequence {
             block,
             last_token_alone: options.last_token_alone,
             cache,
+            message_ends,
             prefilled: imported,
             cached_tokens: imported,
             stored_blocks: imported / block,
@@ -306,6 +320,18 @@ impl Sequence {
                     bytes: self.cache.export(i * b, (i + 1) * b)?,
                 });
                 self.stored_blocks += 1;
+            }
+            // Hybrid models: a partial block at each message end this chunk passed, so that a
+            // prompt sharing the conversation up to there resumes exactly there.
+            for &m in &self.message_ends {
+                if m > at && m <= end {
+                    let start = m / b * b;
+                    sink(FinishedBlock {
+                        index: m / b,
+                        tokens: self.cache_tokens[start..m].to_vec(),
+                        bytes: self.cache.export(start, m)?,
+                    });
+                }
             }
             // The body's partial tail, unless it came from the cache whole.
             let tail_start = body / b * b;

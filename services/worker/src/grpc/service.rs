@@ -203,8 +203,15 @@ impl Serving {
                             self.model_id
                         )));
                     }
+                    // Only where rendering kept the messages as sent (a fold moves text).
+                    let message_ends = if self.kv_layout.recurrent.is_some() && notices.is_empty() {
+                        self.message_ends(&messages, tools.as_ref(), &text, &ids)
+                    } else {
+                        Vec::new()
+                    };
                     return Ok(Tokenized {
                         notices,
+                        message_ends,
                         ..Tokenized::text(text, ids)
                     });
                 };
@@ -250,9 +257,47 @@ impl Serving {
                     ids,
                     images,
                     notices,
+                    message_ends: Vec::new(),
                 })
             }
         }
+    }
+
+    /// Where a conversation's messages end in its prompt `ids`, for the message ends a later
+    /// prompt most likely parts at: after the first message (a shared system prompt) and
+    /// before the last one (the same history with a new question). A position counts only
+    /// where the conversation up to there renders to a prefix of `text` whose tokens are a
+    /// prefix of `ids` (templates that rewrite earlier turns, or a token that straddles the
+    /// boundary, give none).
+    fn message_ends(
+        &self,
+        messages: &[crate::template::ChatMessage],
+        tools: Option<&serde_json::Value>,
+        text: &str,
+        ids: &[u32],
+    ) -> Vec<usize> {
+        let mut counts: Vec<usize> = [1, messages.len().saturating_sub(1)]
+            .into_iter()
+            .filter(|&k| k >= 1 && k < messages.len())
+            .collect();
+        counts.dedup();
+        let mut ends = Vec::new();
+        for k in counts {
+            let Ok(prefix) = self.template.render(&messages[..k], false, tools) else {
+                continue;
+            };
+            if prefix.is_empty() || !text.starts_with(&prefix) {
+                continue;
+            }
+            let Ok(prefix_ids) = self.tokenizer.encode(&prefix) else {
+                continue;
+            };
+            let n = prefix_ids.len();
+            if n > 0 && n < ids.len() && ids.starts_with(&prefix_ids) {
+                ends.push(n);
+            }
+        }
+        ends
     }
 
     /// The ids the KV cache knows a prompt by (image positions carry their image's hash).
@@ -318,6 +363,8 @@ pub struct Tokenized {
     pub images: Vec<PromptImage>,
     /// What rendering changed in the conversation, for the response.
     pub notices: Vec<pb::Notice>,
+    /// Hybrid models: where chat messages end in `ids` (see `GenerateRequest::message_ends`).
+    pub message_ends: Vec<usize>,
 }
 
 impl Tokenized {
@@ -327,6 +374,7 @@ impl Tokenized {
             ids,
             images: Vec::new(),
             notices: Vec::new(),
+            message_ends: Vec::new(),
         }
     }
 }
@@ -468,6 +516,7 @@ impl Worker for WorkerService {
             ids,
             images,
             notices: render_notices,
+            message_ends,
             ..
         } = tokenized;
         let prompt_tokens = ids.len();
@@ -490,6 +539,7 @@ impl Worker for WorkerService {
             stop_token_ids: req.stop_token_ids,
             ignore_eos: req.ignore_eos,
             prefill_breaks: req.prefill_breaks.iter().map(|&b| b as usize).collect(),
+            message_ends,
             images,
             speculative: req.speculative,
             prune_keep_ratio: req.prune_keep_ratio,
