@@ -317,3 +317,32 @@ def test_new_families_are_served_and_cached_across_restarts(bin_dir, tmp_path, f
                 # Everything but the last prompt token, from the cache (after the restart:
                 # from the disk tier, the process that stored it gone).
                 assert cached == len(case["input_ids"]) - 1, (restart, cached)
+
+
+def test_a_hybrid_model_resumes_a_new_question_at_the_end_of_the_shared_system_prompt(
+        bin_dir, tmp_path):
+    """Qwen3.5's recurrent states cannot be cut at any token: the worker stores a partial
+    block where the system message ends (inside a block), so a second conversation with the
+    same system prompt and another question resumes exactly there, through the real chat
+    API, and again after a restart from the disk tier. The fixture's stand-in tokenizer makes
+    one token of each word: the system message is `<|im_start|>`, `system`, 60 words and
+    `<|im_end|>`, 63 tokens."""
+    words = [f"t{i % 200 + 5}" for i in range(60)]
+    system = {"role": "system", "content": " ".join(words)}
+
+    def ask(client, question):
+        r = client.chat.completions.create(
+            model="qwen3_5", temperature=0, max_tokens=3,
+            messages=[system, {"role": "user", "content": question}],
+            extra_body={"ignore_eos": True})
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    port = pick_port()
+    config = one_model_config(tmp_path, port, "qwen3_5", FAMILIES_DIR / "qwen3_5")
+    with config_cluster(bin_dir, tmp_path, port, config) as c:
+        client = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0)
+        assert ask(client, "t7 t8 t9") == 0
+        assert ask(client, "t30 t31 t32 t33") == 63
+    with config_cluster(bin_dir, tmp_path, port, config) as c:
+        client = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0)
+        assert ask(client, "t50 t51") == 63
