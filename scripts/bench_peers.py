@@ -8,7 +8,8 @@
 
 --model smollm2 (default: SmolLM2-135M, Q4_1 GGUF) or qwen1.5b (Qwen2.5-Coder-1.5B, its Q4_K_M
 GGUF as published, and an f32 folder of it for the MLX peers; `scripts/bench-setup qwen1.5b`
-makes both).
+makes both) or hybrid (a random-weight Qwen3.5-MoE folder that every server reads:
+`scripts/make_hybrid_bench_model.py $STRATA_CACHE/models/qwen3_5_moe-bench`).
 One server at a time on the same cores, each with its own prefix caching and persistence
 switched on where it has them:
 - strata: the GGUF, computed in f32; worker L0, the cache service's RAM and
@@ -63,6 +64,12 @@ MODELS = {
     "qwen1.5b": {"label": "Qwen2.5-Coder-1.5B", "quant": "Q4_K_M",
                  "gguf": CACHE / "models/qwen2.5-coder-1.5b-instruct/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
                  "hf_f32": CACHE / "models/qwen2.5-coder-1.5b-instruct-f32"},
+    # A random-weight hybrid MoE (scripts/make_hybrid_bench_model.py): every server reads the
+    # same safetensors folder.
+    "hybrid": {"label": "Qwen3.5-MoE layout, random (hidden 512, 8 layers, 16 experts)",
+               "quant": "f32 safetensors",
+               "gguf": CACHE / "models/qwen3_5_moe-bench",
+               "hf_f32": CACHE / "models/qwen3_5_moe-bench"},
 }
 PEERS = CACHE / "peers"
 WORDS = ("river stone window garden letter bridge candle mountain harbor lantern orchard "
@@ -241,7 +248,7 @@ class Server:
 class Strata(Server):
     name = "strata"
     extra = {}
-    note = "{quant} GGUF computed in f32; L0 + cache service RAM + disk tier"
+    note = "{quant} file computed in f32; L0 + cache service RAM + disk tier"
 
     def command(self):
         return [str(pathlib.Path(self.args.bin_dir) / "strata"), "up",

@@ -60,7 +60,7 @@ FAMILIES = {
 }
 
 
-def weights(c, rng):
+def weights(c, rng, vocab=VOCAB):
     """The decoder's tensors under Hugging Face's names (without the wrapper's prefix): linear
     weights N(0, 1/in), output projections twice that, RMSNorms as offsets from 1 (noise
     around 0) but the gated norm of linear attention (a plain weight around 1)."""
@@ -77,7 +77,7 @@ def weights(c, rng):
     def norm(n, centre=0.0):
         return (centre + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
-    t = {"embed_tokens.weight": (0.3 * rng.standard_normal((VOCAB, d))).astype(np.float32)}
+    t = {"embed_tokens.weight": (0.3 * rng.standard_normal((vocab, d))).astype(np.float32)}
     for i in range(c["num_hidden_layers"]):
         p = f"layers.{i}."
         t[p + "input_layernorm.weight"] = norm(d)
