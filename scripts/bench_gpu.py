@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -148,15 +149,18 @@ def free_port():
         return s.getsockname()[1]
 
 
-def complete(base, ids, max_tokens, timeout=900):
-    """(ttft, decode tok/s, usage) of one streaming completion; raises on an HTTP error."""
-    body = {"model": "m", "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+def complete(base, ids, max_tokens, timeout=900, as_text=False, model="m"):
+    """(ttft, decode tok/s, usage, generated) of one streaming completion; raises on an HTTP
+    error. `as_text`: the prompt as the stand-in tokenizer's words ("t1000 t1001 ...", one
+    token each), for servers that take no token ids (mlx_lm.server)."""
+    body = {"model": model, "prompt": " ".join(f"t{i}" for i in ids) if as_text else ids,
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
     req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json"}, method="POST")
     started = time.perf_counter()
     first = last = None
-    usage = {}
+    usage, events = {}, 0
     with urllib.request.urlopen(req, timeout=timeout) as r:
         for raw in r:
             line = raw.decode().strip()
@@ -167,105 +171,208 @@ def complete(base, ids, max_tokens, timeout=900):
                 now = time.perf_counter() - started
                 first = now if first is None else first
                 last = now
+                events += 1
             if event.get("usage"):
                 usage = event["usage"]
-    tokens = usage.get("completion_tokens", 0)
+    tokens = usage.get("completion_tokens") or events
     rate = (tokens - 1) / (last - first) if tokens > 1 and last > first else None
-    return first, rate, usage
+    return first, rate, usage, tokens
+
+
+def cached_tokens(usage):
+    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
 
 
 class Cluster:
+    """`strata up` serving the model: gateway, cache service (RAM + disk tier), one worker."""
+    name = "strata"
+    as_text = False
+    model_name = "m"
+
     def __init__(self, args, tmp):
         self.args, self.tmp = args, tmp
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.proc = None
+        self.log = tmp / "strata.log"
+
+    def command(self):
+        return [str(pathlib.Path(self.args.bin_dir) / "strata"), "up", "--bind",
+                f"127.0.0.1:{self.port}", "--model", self.args.model, "--model-id", "m",
+                "--run-dir", str(self.tmp / "run"), "--kv-dir", str(self.tmp / "kv"),
+                "--kv-ram", "16GiB", "--kv-disk", "64GiB", "--worker-memory-budget", "100GiB"]
 
     def start(self):
-        cmd = [str(pathlib.Path(self.args.bin_dir) / "strata"), "up", "--bind",
-               f"127.0.0.1:{self.port}", "--model", self.args.model, "--model-id", "m",
-               "--run-dir", str(self.tmp / "run"), "--kv-dir", str(self.tmp / "kv"),
-               "--kv-ram", "16GiB", "--kv-disk", "64GiB", "--worker-memory-budget", "100GiB"]
-        self.proc = subprocess.Popen(cmd, stdout=open(self.tmp / "strata.log", "ab"),
+        self.proc = subprocess.Popen(self.command(), stdout=open(self.log, "ab"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError("strata exited: " + self.log_tail())
+                raise RuntimeError(f"{self.name} exited: " + self.log_tail())
             try:
-                complete(self.base, [1000, 1001], 1, timeout=60)
+                self.complete([1000, 1001], 1, timeout=60)
                 return
             except (OSError, urllib.error.HTTPError):
                 time.sleep(0.5)
-        raise RuntimeError("strata not ready: " + self.log_tail())
+        raise RuntimeError(f"{self.name} not ready: " + self.log_tail())
+
+    def complete(self, ids, max_tokens, timeout=900):
+        return complete(self.base, ids, max_tokens, timeout=timeout, as_text=self.as_text,
+                        model=self.model_name)
 
     def stop(self):
         if self.proc and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             self.proc.wait(timeout=120)
 
-    def log_tail(self):
-        return (self.tmp / "strata.log").read_text(errors="replace")[-3000:]
+    def log_tail(self, n=3000):
+        return self.log.read_text(errors="replace")[-n:]
 
     def health(self):
         with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
             return json.load(r)
 
+    def phases(self):
+        """The worker's last "prefill phases" log line, as numbers (strata only)."""
+        text = re.sub(r"\x1b\[[0-9;]*m", "", self.log.read_text(errors="replace"))
+        lines = [l for l in text.splitlines() if "prefill phases" in l]
+        if not lines:
+            return None
+        return {k: float(v) for k, v in re.findall(r"(\w+)=([\d.]+)", lines[-1])}
 
-def strata_bench(args):
-    tmp = pathlib.Path(args.tmp)
+
+class MlxLmServer(Cluster):
+    """mlx_lm.server on the same GPU and MLX library: its prompt cache lives in memory only."""
+    name = "mlx_lm.server"
+    as_text = True
+
+    def __init__(self, args, tmp):
+        super().__init__(args, tmp)
+        self.log = tmp / "mlx_lm.log"
+        self.model_name = args.model
+
+    # transformers 5 maps model_type qwen2 to its BPE tokenizer class whatever the folder's
+    # tokenizer.json holds; the stand-in word-level tokenizer is loaded as a generic fast
+    # tokenizer instead, so that "t1000 t1001" is the ids [1000, 1001] as for Strata.
+    LAUNCH = (
+        "import pathlib, sys\n"
+        "from transformers import PreTrainedTokenizerFast\n"
+        "import mlx_lm.tokenizer_utils as tu\n"
+        "class Words:\n"
+        "    @staticmethod\n"
+        "    def from_pretrained(path, **_):\n"
+        "        return PreTrainedTokenizerFast(\n"
+        "            tokenizer_file=str(pathlib.Path(path) / 'tokenizer.json'),\n"
+        "            eos_token='<|im_end|>')\n"
+        "tu.AutoTokenizer = Words\n"
+        "from mlx_lm.server import main\n"
+        "sys.argv = ['mlx_lm.server'] + sys.argv[1:]\n"
+        "main()\n")
+
+    def command(self):
+        return [sys.executable, "-c", self.LAUNCH, "--model", self.args.model,
+                "--port", str(self.port), "--max-tokens", "100000"]
+
+    def health(self):
+        return {}
+
+    def phases(self):
+        return None
+
+
+def serve_bench(args, server):
+    """One server through the columns of issue 24: per length cold, warm (same prompt), same
+    prefix with a new question (the last 64 tokens differ), decode tok/s; then 1 and 8
+    streams; then every length again after a restart of every process."""
+    tmp = pathlib.Path(args.tmp) / server.name
     tmp.mkdir(parents=True, exist_ok=True)
-    c = Cluster(args, tmp)
+    c = server(args, tmp)
     c.start()
-    results = {"health": c.health()}
+    results = {"server": c.name, "health": c.health()}
     try:
         for n in args.lengths:
             ids = prompt_ids(n, seed=n)
             row = {}
             try:
-                row["cold_s"], _, usage = complete(c.base, ids, 1)
-                row["warm_s"], _, usage = complete(c.base, ids, 1)
-                row["warm_cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get(
-                    "cached_tokens")
-                if n <= args.decode_max:
-                    _, row["decode_tok_s"], _ = complete(c.base, ids + [1002], 65)
+                row["cold_s"], _, usage, _ = c.complete(ids, 1)
+                row["cold_phases"] = c.phases()
+                row["warm_s"], _, usage, _ = c.complete(ids, 1)
+                row["warm_cached_tokens"] = cached_tokens(usage)
+                question = ids[:n - 64] + prompt_ids(64, seed=n + 1)
+                row["new_question_s"], _, usage, _ = c.complete(question, 1)
+                row["new_question_cached_tokens"] = cached_tokens(usage)
+                row["new_question_phases"] = c.phases()
+                if n in args.decode_at:
+                    _, row["decode_tok_s"], _, row["decode_tokens"] = c.complete(
+                        ids + [1002], 65)
             except urllib.error.HTTPError as e:
                 row["error"] = f"HTTP {e.code}: {e.read().decode(errors='replace')[:300]}"
             results[n] = row
-            print(f"strata {n}: {row}", file=sys.stderr, flush=True)
+            print(f"{c.name} {n}: {row}", file=sys.stderr, flush=True)
             save(args, results)
-        # After a restart of all three processes: the blocks come from the disk tier.
+        results["streams"] = streams_bench(c, args)
+        print(f"{c.name} streams: {results['streams']}", file=sys.stderr, flush=True)
+        save(args, results)
+        # After a restart of every process: Strata's blocks come from the disk tier;
+        # mlx_lm.server has no disk tier, so this is a cold run for it.
         c.stop()
         c.start()
         for n in args.lengths:
             if "error" in results[n]:
                 continue
-            t, _, usage = complete(c.base, prompt_ids(n, seed=n), 1)
-            results[n]["restart_s"] = t
-            results[n]["restart_cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get(
-                "cached_tokens")
+            s, _, usage, _ = c.complete(prompt_ids(n, seed=n), 1)
+            results[n]["restart_s"] = s
+            results[n]["restart_cached_tokens"] = cached_tokens(usage)
+            results[n]["restart_phases"] = c.phases()
             save(args, results)
-        if not args.stability:
-            return results
-        # The seed's stability test: oMLX crashed 77K tokens into a 98K prompt.
-        worker_before = [ch["pid"] for ch in c.health()["children"] if ch["kind"] == "worker"]
-        huge = {}
-        started = time.perf_counter()
-        try:
-            huge["ttft_s"], _, usage = complete(c.base, prompt_ids(98304, seed=98304), 4,
-                                                timeout=1800)
-            huge["outcome"] = f"served: {usage}"
-        except urllib.error.HTTPError as e:
-            huge["outcome"] = f"refused with HTTP {e.code}: {e.read().decode(errors='replace')[:300]}"
-        huge["took_s"] = time.perf_counter() - started
-        worker_after = [ch["pid"] for ch in c.health()["children"] if ch["kind"] == "worker"]
-        huge["worker_survived"] = worker_before == worker_after
-        results["stability_98k"] = huge
-        print(f"strata 98K: {huge}", file=sys.stderr, flush=True)
+        if args.stability and c.name == "strata":
+            results["stability_98k"] = stability(c)
     finally:
         c.stop()
-    results["log_tail"] = c.log_tail()
+        results["log_tail"] = c.log_tail(6000)
     return results
+
+
+def streams_bench(c, args):
+    """Aggregate decode tok/s with 1 and 8 concurrent requests, each its own 1K-token prompt
+    and 128 generated tokens (wall time from the first request sent to the last token)."""
+    import concurrent.futures
+    out = {}
+    for streams in (1, 8):
+        prompts = [prompt_ids(1024, seed=7000 + 10 * streams + i) for i in range(streams)]
+        started = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(streams) as pool:
+            done = list(pool.map(lambda ids: c.complete(ids, 128),
+                                 prompts))
+        wall = time.perf_counter() - started
+        out[streams] = {"tokens": sum(d[3] for d in done), "wall_s": wall,
+                        "tok_s": sum(d[3] for d in done) / wall}
+    return out
+
+
+def stability(c):
+    """The seed's stability test: oMLX crashed 77K tokens into a 98K prompt."""
+    worker_before = [ch["pid"] for ch in c.health()["children"] if ch["kind"] == "worker"]
+    huge = {}
+    started = time.perf_counter()
+    try:
+        huge["ttft_s"], _, usage, _ = c.complete(prompt_ids(98304, seed=98304), 4, timeout=1800)
+        huge["outcome"] = f"served: {usage}"
+    except urllib.error.HTTPError as e:
+        huge["outcome"] = f"refused with HTTP {e.code}: {e.read().decode(errors='replace')[:300]}"
+    huge["took_s"] = time.perf_counter() - started
+    worker_after = [ch["pid"] for ch in c.health()["children"] if ch["kind"] == "worker"]
+    huge["worker_survived"] = worker_before == worker_after
+    print(f"strata 98K: {huge}", file=sys.stderr, flush=True)
+    return huge
+
+
+def strata_bench(args):
+    return serve_bench(args, Cluster)
+
+
+def mlx_lm_bench(args):
+    return serve_bench(args, MlxLmServer)
 
 
 def report(args):
@@ -335,12 +442,14 @@ def save(args, results):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["ceilings", "transformers", "strata", "report"])
+    ap.add_argument("what", choices=["ceilings", "transformers", "strata", "mlx_lm", "report"])
     ap.add_argument("--model")
     ap.add_argument("--bin-dir")
     ap.add_argument("--lengths", default="8192,32768,65536,131072")
     ap.add_argument("--decode-max", type=int, default=8192,
-                    help="longest prompt also measured for decode speed")
+                    help="transformers: longest prompt also measured for decode speed")
+    ap.add_argument("--decode-at", default="8192,65536",
+                    help="strata, mlx_lm: prompt lengths also measured for decode speed")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--tmp", default="/tmp/strata-gpu-bench")
     ap.add_argument("--no-stability", dest="stability", action="store_false",
@@ -348,10 +457,12 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
+    args.decode_at = [int(x) for x in args.decode_at.split(",")]
     if args.what == "report":
         report(args)
         return
-    run = {"ceilings": ceilings, "transformers": transformers_bench, "strata": strata_bench}
+    run = {"ceilings": ceilings, "transformers": transformers_bench, "strata": strata_bench,
+           "mlx_lm": mlx_lm_bench}
     result = run[args.what](args)
     save(args, result)
     print(json.dumps(result, default=str)[:4000])

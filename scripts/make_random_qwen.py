@@ -29,16 +29,29 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--rope-factor", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--small", action="store_true",
+                    help="2 layers of width 256 (same vocabulary): to try the scripts on a CPU")
     args = ap.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
     config = dict(QWEN25_CODER_15B)
+    if args.small:
+        config.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
     if args.rope_factor != 1.0:
         config["rope_scaling"] = {"type": "linear", "factor": args.rope_factor}
         config["max_position_embeddings"] = int(32768 * args.rope_factor)
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is None:
+        # No PyTorch (a CPU machine's bench venv): the same layout from numpy.
+        write_numpy(out, config, args.seed)
+        write_tokenizer(out, config)
+        return
+    from transformers import Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(args.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
@@ -48,6 +61,37 @@ def main():
     # with the dtype the weights have.
     (out / "config.json").write_text(json.dumps({**config, "torch_dtype": "float16"}, indent=1))
 
+    write_tokenizer(out, config)
+    print(f"wrote {out}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters")
+
+
+def write_numpy(out, config, seed):
+    """Qwen2's tensors under Hugging Face's names, normal(0, 0.02) in float16, norms 1."""
+    import numpy as np
+    from safetensors.numpy import save_file
+    rng = np.random.default_rng(seed)
+    h, i = config["hidden_size"], config["intermediate_size"]
+    d = h // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * d
+    normal = lambda *shape: (rng.standard_normal(shape) * 0.02).astype(np.float16)
+    t = {"model.embed_tokens.weight": normal(config["vocab_size"], h),
+         "model.norm.weight": np.ones(h, np.float16)}
+    for l in range(config["num_hidden_layers"]):
+        p = f"model.layers.{l}."
+        t.update({p + "input_layernorm.weight": np.ones(h, np.float16),
+                  p + "post_attention_layernorm.weight": np.ones(h, np.float16),
+                  p + "self_attn.q_proj.weight": normal(h, h), p + "self_attn.q_proj.bias": normal(h),
+                  p + "self_attn.k_proj.weight": normal(kv, h), p + "self_attn.k_proj.bias": normal(kv),
+                  p + "self_attn.v_proj.weight": normal(kv, h), p + "self_attn.v_proj.bias": normal(kv),
+                  p + "self_attn.o_proj.weight": normal(h, h),
+                  p + "mlp.gate_proj.weight": normal(i, h), p + "mlp.up_proj.weight": normal(i, h),
+                  p + "mlp.down_proj.weight": normal(h, i)})
+    save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps({**config, "torch_dtype": "float16"}, indent=1))
+    print(f"wrote {out} (numpy)")
+
+
+def write_tokenizer(out, config):
     from tokenizers import Tokenizer, models, pre_tokenizers
     vocab = {f"t{i}": i for i in range(config["vocab_size"])}
     for name, i in SPECIALS.items():
@@ -59,7 +103,6 @@ def main():
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(
         {"eos_token": "<|im_end|>", "bos_token": None, "add_bos_token": False}))
-    print(f"wrote {out}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters")
 
 
 if __name__ == "__main__":

@@ -398,10 +398,14 @@ async fn probe_on(
             let mut req = tonic::Request::new(strata_proto::worker::HealthRequest {});
             req.set_timeout(deadline);
             let r = WorkerClient::new(channel).health(req).await?.into_inner();
-            Ok(format!(
+            let mut detail = format!(
                 "{} v{}, mlx {} on {}",
                 r.status, r.version, r.mlx_version, r.device
-            ))
+            );
+            if r.prefill_chunk_tokens > 0 {
+                detail += &format!(", prefill passes of {} tokens", r.prefill_chunk_tokens);
+            }
+            Ok(detail)
         }
     }
 }

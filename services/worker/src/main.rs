@@ -8,11 +8,11 @@ use clap::{Parser, Subcommand};
 use strata_proto::worker::InfoResponse;
 use strata_proto::worker::worker_server::WorkerServer;
 use strata_worker::embedder::Embedder;
-use strata_worker::engine::DtypePolicy;
 use strata_worker::engine::generate::{EngineOptions, GenerateRequest};
 use strata_worker::engine::loader::{self, LoadedModel};
 use strata_worker::engine::sample::SamplingParams;
 use strata_worker::engine::speculative::Draft;
+use strata_worker::engine::{DtypePolicy, policy};
 use strata_worker::grpc::{EmbeddingServing, ModelInfo, Served, Serving, WorkerService};
 use strata_worker::kv_quant::KvQuant;
 use strata_worker::prefix_cache::{PrefixCache, Reuse};
@@ -50,8 +50,11 @@ enum Command {
         dtype_policy: Option<DtypePolicy>,
         #[arg(long, default_value_t = 256)]
         block_tokens: usize,
-        #[arg(long, default_value_t = strata_worker::engine::generate::DEFAULT_PREFILL_CHUNK_TOKENS)]
-        prefill_chunk_tokens: usize,
+        /// Tokens per prefill pass, rounded down to whole blocks [default: 256 on the CPU,
+        /// 4096 on a GPU]. With --cache-exact a pass is one block, so that a hit repeats a
+        /// cold run's passes.
+        #[arg(long)]
+        prefill_chunk_tokens: Option<usize>,
         /// Requests that may wait for the engine; more are refused (the gateway answers 429).
         #[arg(long, default_value_t = 64)]
         queue: usize,
@@ -166,9 +169,10 @@ struct ModelArgs {
     /// Tokens per KV block (and prefill chunks are whole blocks).
     #[arg(long, default_value_t = 256)]
     block_tokens: usize,
-    /// Tokens per prefill pass (rounded down to whole blocks).
-    #[arg(long, default_value_t = strata_worker::engine::generate::DEFAULT_PREFILL_CHUNK_TOKENS)]
-    prefill_chunk_tokens: usize,
+    /// Tokens per prefill pass, rounded down to whole blocks [default: 256 on the CPU, 4096 on
+    /// a GPU].
+    #[arg(long)]
+    prefill_chunk_tokens: Option<usize>,
     #[command(flatten)]
     draft: DraftArgs,
 }
@@ -215,9 +219,13 @@ impl ModelArgs {
         Ok(model)
     }
 
-    fn options(&self) -> EngineOptions {
+    /// The engine's options on `device` ("cpu" or "gpu"): the prefill pass the operator named,
+    /// or the device's default.
+    fn options(&self, device: &str) -> EngineOptions {
         EngineOptions {
-            prefill_chunk_tokens: self.prefill_chunk_tokens,
+            prefill_chunk_tokens: self
+                .prefill_chunk_tokens
+                .unwrap_or_else(|| policy::default_prefill_chunk_tokens(device)),
             ..EngineOptions::default()
         }
     }
@@ -263,7 +271,7 @@ fn main() -> anyhow::Result<()> {
             let prompts: Vec<Vec<u32>> = serde_json::from_str(&text).with_context(|| {
                 format!("{}: expected a list of lists of ids", prompt_ids.display())
             })?;
-            let options = model.options();
+            let options = model.options(&info.device);
             // Warm-up: first calls pay for allocation and kernel set-up.
             let warm = GenerateRequest {
                 ignore_eos: true,
@@ -350,7 +358,7 @@ fn main() -> anyhow::Result<()> {
             };
             use std::io::Write;
             let mut stdout = std::io::stdout();
-            let generation = loaded.generate(&request, &model.options(), |event| {
+            let generation = loaded.generate(&request, &model.options(&info.device), |event| {
                 let _ = stdout.write_all(event.text.as_bytes());
                 let _ = stdout.flush();
                 true
@@ -485,7 +493,14 @@ fn main() -> anyhow::Result<()> {
                         EngineOptions {
                             store_decode_kv,
                             last_token_alone: cache_exact,
-                            ..args.options()
+                            // Exact hits repeat a cold run's passes only if a hit's first
+                            // pass is shaped as the cold run's was: one block each.
+                            prefill_chunk_tokens: if cache_exact {
+                                block_tokens
+                            } else {
+                                args.options(&info.device).prefill_chunk_tokens
+                            },
+                            ..args.options(&info.device)
                         },
                         queue,
                         max_batch,
@@ -551,9 +566,37 @@ fn main() -> anyhow::Result<()> {
                 (None, Some(e)) => Some(Served::Embedding(Box::new(e))),
                 (None, None) => None,
             };
-            runtime.block_on(serve(socket, info, served))
+            let device = info.device.clone();
+            let served = runtime.block_on(serve(socket, info, served));
+            // Stores are drained and the engine stopped; the traces flush (on the runtime),
+            // then the runtime's threads go, before the process ends.
+            drop(_traces);
+            drop(runtime);
+            if device == "gpu" {
+                exit_skipping_destructors(&served);
+            }
+            served
         }
     }
+}
+
+/// Ends the process without C++ static destructors. MLX's CUDA backend frees its buffers in
+/// them, after the CUDA runtime has shut down, and aborts on the error ("cudaFree ... driver
+/// shutting down"): a clean SIGTERM would otherwise exit with SIGABRT. Nothing is left to
+/// write by now (stores drained, traces flushed); the driver reclaims the device memory.
+fn exit_skipping_destructors(result: &anyhow::Result<()>) -> ! {
+    use std::io::Write;
+    let code = match result {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("Error: {e:?}");
+            1
+        }
+    };
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    // SAFETY: `_exit` ends the process at once; no Rust state is touched after it.
+    unsafe { libc::_exit(code) }
 }
 
 fn median(values: &mut [f64]) -> f64 {
@@ -649,6 +692,7 @@ fn serving(
         memory_budget_bytes: budget,
         memory_baseline_bytes: baseline,
         embedding_dimensions: 0,
+        prefill_chunk_tokens: loaded.prefill_chunk(&options) as u32,
     };
     let context_length = config.context_length;
     let tokenizer = loaded.tokenizer.clone();
@@ -669,6 +713,20 @@ fn serving(
             } else {
                 format!("on (budget {} MiB)", budget >> 20)
             },
+        ),
+        (
+            "prefill_chunks".into(),
+            format!(
+                "{} tokens per pass on the {} ({}); blocks for the cache are cut from the \
+                 finished KV, one device synchronisation per pass",
+                loaded.prefill_chunk(&options),
+                mlx_device::default_device_kind(),
+                if options.last_token_alone {
+                    "one block: cache.exact"
+                } else {
+                    "--prefill-chunk-tokens, or the device's default"
+                }
+            ),
         ),
         (
             "store_decode_kv".into(),
@@ -789,6 +847,7 @@ fn embedding_serving(
         memory_budget_bytes: budget,
         memory_baseline_bytes: baseline,
         embedding_dimensions: embedder.dimensions as u32,
+        prefill_chunk_tokens: 0,
         ..Default::default()
     };
     Ok(EmbeddingServing {

@@ -99,6 +99,19 @@ pub struct Timings {
     pub prefill: Duration,
     pub decode: Duration,
     pub time_to_first_token: Duration,
+    pub phases: PrefillPhases,
+}
+
+/// Where a request's prefill time went, for the log, the trace and `bench_gpu.py`: the
+/// forward passes (device time included, as each pass ends by evaluating its output), reading
+/// finished blocks' KV back from the device, and handing them to the cache (checksum, L0).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PrefillPhases {
+    pub passes: usize,
+    pub compute: Duration,
+    pub export: Duration,
+    pub store: Duration,
+    pub blocks: usize,
 }
 
 #[derive(Debug, Clone)]

@@ -567,39 +567,63 @@ impl KvCache {
     /// Tokens `[start, end)` of every layer as one contiguous byte buffer in the live dtype,
     /// ordered layer, K then V, head, token, dim.
     pub fn export(&self, start: usize, end: usize) -> Result<Vec<u8>> {
-        if start > end || end > self.len {
-            return Err(EngineError::Config(format!(
-                "export of tokens {start}..{end} from a cache holding {}",
-                self.len
-            )));
-        }
-        let per_token = self.layout.bytes_per_token();
-        let mut slices = Vec::with_capacity(2 * self.layers.len());
-        for (layer, kv) in self.layers.iter().enumerate() {
-            let kv = kv
-                .as_ref()
-                .ok_or_else(|| EngineError::Config("export from an empty cache".into()))?;
-            if start < kv.first {
+        let mut all = self.export_ranges(std::slice::from_ref(&(start..end)))?;
+        all.pop()
+            .ok_or_else(|| EngineError::Config("export of no range".into()))
+    }
+
+    /// `export` of several token ranges with one evaluation: on a GPU each evaluation is a
+    /// synchronisation with the device, and a prefill pass of many blocks exports them all
+    /// at once.
+    pub fn export_ranges(&self, ranges: &[std::ops::Range<usize>]) -> Result<Vec<Vec<u8>>> {
+        let mut slices = Vec::with_capacity(2 * self.layers.len() * ranges.len());
+        for range in ranges {
+            let (start, end) = (range.start, range.end);
+            if start > end || end > self.len {
                 return Err(EngineError::Config(format!(
-                    "export of tokens {start}..{end}: sliding-window layer {layer} released \
-                     the rows before {}",
-                    kv.first
+                    "export of tokens {start}..{end} from a cache holding {}",
+                    self.len
                 )));
             }
-            let (from, to) = ((start - kv.first) as i32, (end - kv.first) as i32);
-            for buf in [&kv.keys, &kv.values] {
-                slices.push(
-                    buf.try_index((.., .., from..to, ..))?
-                        .flatten(None, None)?
-                        .view::<u8>()?,
-                );
+            for (layer, kv) in self.layers.iter().enumerate() {
+                let kv = kv
+                    .as_ref()
+                    .ok_or_else(|| EngineError::Config("export from an empty cache".into()))?;
+                if start < kv.first {
+                    return Err(EngineError::Config(format!(
+                        "export of tokens {start}..{end}: sliding-window layer {layer} released \
+                         the rows before {}",
+                        kv.first
+                    )));
+                }
+                let (from, to) = ((start - kv.first) as i32, (end - kv.first) as i32);
+                for buf in [&kv.keys, &kv.values] {
+                    slices.push(
+                        buf.try_index((.., .., from..to, ..))?
+                            .flatten(None, None)?
+                            .view::<u8>()?,
+                    );
+                }
             }
         }
-        // One evaluation for all layers: on a GPU each is a synchronisation with the device,
-        // and one per layer and K/V made a block's export cost more than its prefill.
+        // One evaluation for all ranges, layers, K and V: one per layer and K/V made a
+        // block's export cost more than its prefill on a GPU.
         mlx_rs::transforms::eval(&slices)?;
+        let per_range = 2 * self.layers.len();
+        let mut out = Vec::with_capacity(ranges.len());
+        for (i, range) in ranges.iter().enumerate() {
+            let slices = &slices[i * per_range..(i + 1) * per_range];
+            out.push(self.block_bytes(range.start, range.end, slices)?);
+        }
+        Ok(out)
+    }
+
+    /// A block's payload: its evaluated K/V slices, then (hybrid models) the recurrent states
+    /// at its last token.
+    fn block_bytes(&self, start: usize, end: usize, slices: &[Array]) -> Result<Vec<u8>> {
+        let per_token = self.layout.bytes_per_token();
         let mut out = Vec::with_capacity(self.layout.block_bytes(end - start));
-        for slice in &slices {
+        for slice in slices {
             out.extend_from_slice(
                 slice
                     .try_as_slice::<u8>()

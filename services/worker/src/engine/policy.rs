@@ -78,6 +78,17 @@ impl FromStr for DtypePolicy {
     }
 }
 
+/// Tokens per prefill pass on a device kind (`mlx_device::default_device_kind`), when the
+/// operator names none. On the CPU a 256-token pass already keeps OpenBLAS's matrix products
+/// busy, and a longer one only grows the attention scores held at once. On a GPU a pass is a
+/// few hundred small kernels, and short ones leave the card idle: on the H200 the engine alone
+/// prefilled 8K tokens in 0.30 s with 256-token passes, 0.12 s with 1,024 and 0.065 s with
+/// 4,096 (docs/BENCHMARKS.md). Blocks for the cache are cut from the finished KV afterwards,
+/// whatever the pass.
+pub fn default_prefill_chunk_tokens(device_kind: &str) -> usize {
+    if device_kind == "gpu" { 4096 } else { 256 }
+}
+
 /// Bytes per element of the dtypes we store.
 pub fn dtype_bytes(dtype: Dtype) -> usize {
     match dtype {

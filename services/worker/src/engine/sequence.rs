@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use super::generate::StopMatcher;
 use super::generate::{
-    EngineOptions, FinishReason, GenerateRequest, Generation, Notice, Timings, TokenEvent,
+    EngineOptions, FinishReason, GenerateRequest, Generation, Notice, PrefillPhases, Timings,
+    TokenEvent,
 };
 use super::kv::KvCache;
 use super::llama::SeqChunk;
@@ -75,6 +76,7 @@ pub struct Sequence {
     has_pending: bool,
     started: Instant,
     prefill_time: Option<Duration>,
+    phases: PrefillPhases,
     ttft: Option<Duration>,
     finish: Option<FinishReason>,
     /// The draft's state, when this sequence decodes speculatively.
@@ -214,6 +216,7 @@ impl Sequence {
             has_pending: false,
             started: Instant::now(),
             prefill_time: None,
+            phases: PrefillPhases::default(),
             ttft: None,
             finish: None,
             cache_tokens,
@@ -286,6 +289,8 @@ impl Sequence {
         } else {
             len
         };
+        let compute = tracing::info_span!("prefill.compute", tokens = end - at).entered();
+        let started = Instant::now();
         let out = match self.image_rows(model, at, end)? {
             None => model.model.forward(&mut [SeqChunk {
                 tokens: &self.req.prompt[at..end],
@@ -307,40 +312,37 @@ impl Sequence {
             }
         };
         out.eval()?;
+        self.phases.passes += 1;
+        self.phases.compute += started.elapsed();
+        drop(compute);
         self.prefilled = end;
         let storing = on_block.is_some();
         if let Some(sink) = on_block {
-            let b = self.block;
-            let done = (self.cache.len() / b).min(len / b);
-            while self.stored_blocks < done {
-                let i = self.stored_blocks;
-                sink(FinishedBlock {
-                    index: i,
-                    tokens: self.cache_tokens[i * b..(i + 1) * b].to_vec(),
-                    bytes: self.cache.export(i * b, (i + 1) * b)?,
-                });
-                self.stored_blocks += 1;
-            }
-            // Hybrid models: a partial block at each message end this chunk passed, so that a
-            // prompt sharing the conversation up to there resumes exactly there.
-            for &m in &self.message_ends {
-                if m > at && m <= end {
-                    let start = m / b * b;
+            let finished = self.blocks_finished(at, end);
+            if !finished.is_empty() {
+                // All of this pass's blocks come back from the device in one evaluation.
+                let export =
+                    tracing::info_span!("prefill.export", blocks = finished.len()).entered();
+                let started = Instant::now();
+                let ranges: Vec<_> = finished.iter().map(|(_, r)| r.clone()).collect();
+                let bytes = self.cache.export_ranges(&ranges)?;
+                self.phases.export += started.elapsed();
+                drop(export);
+                let _store =
+                    tracing::info_span!("prefill.store", blocks = finished.len()).entered();
+                let started = Instant::now();
+                for ((index, range), bytes) in finished.into_iter().zip(bytes) {
+                    if range.len() == self.block {
+                        self.stored_blocks = self.stored_blocks.max(index + 1);
+                    }
+                    self.phases.blocks += 1;
                     sink(FinishedBlock {
-                        index: m / b,
-                        tokens: self.cache_tokens[start..m].to_vec(),
-                        bytes: self.cache.export(start, m)?,
+                        index,
+                        tokens: self.cache_tokens[range].to_vec(),
+                        bytes,
                     });
                 }
-            }
-            // The body's partial tail, unless it came from the cache whole.
-            let tail_start = body / b * b;
-            if end >= body && at < body && body > tail_start && self.cached_tokens < body {
-                sink(FinishedBlock {
-                    index: body / b,
-                    tokens: self.cache_tokens[tail_start..body].to_vec(),
-                    bytes: self.cache.export(tail_start, body)?,
-                });
+                self.phases.store += started.elapsed();
             }
         }
         if !self.needs_prefill() {
@@ -348,6 +350,30 @@ impl Sequence {
             self.prefill_time = Some(self.started.elapsed());
         }
         self.release_window_rows(storing)
+    }
+
+    /// The blocks a pass over `at..end` finished, as (index in the prompt, token range):
+    /// whole blocks not yet stored, then (hybrid models) a partial block at each message end
+    /// the pass went by, then the body's partial tail unless it came from the cache whole.
+    fn blocks_finished(&self, at: usize, end: usize) -> Vec<(usize, std::ops::Range<usize>)> {
+        let b = self.block;
+        let len = self.req.prompt.len();
+        let body = len - 1;
+        let done = (self.cache.len() / b).min(len / b);
+        let mut out: Vec<_> = (self.stored_blocks..done)
+            .map(|i| (i, i * b..(i + 1) * b))
+            .collect();
+        // A prompt sharing the conversation up to a message end resumes exactly there.
+        for &m in &self.message_ends {
+            if m > at && m <= end {
+                out.push((m / b, m / b * b..m));
+            }
+        }
+        let tail_start = body / b * b;
+        if end >= body && at < body && body > tail_start && self.cached_tokens < body {
+            out.push((body / b, tail_start..body));
+        }
+        out
     }
 
     /// Lets sliding-window layers drop the rows no query sees again, keeping those a block
@@ -726,6 +752,7 @@ impl Sequence {
                 prefill,
                 decode: total.saturating_sub(prefill),
                 time_to_first_token: self.ttft.unwrap_or(total),
+                phases: self.phases,
             },
             logprobs: self.logprobs,
             cached_tokens: self.cached_tokens,

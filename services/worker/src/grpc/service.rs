@@ -450,6 +450,10 @@ impl Worker for WorkerService {
                 .as_ref()
                 .map(|p| p.display().to_string())
                 .unwrap_or_default(),
+            prefill_chunk_tokens: self
+                .serving()
+                .map(|s| s.info.prefill_chunk_tokens)
+                .unwrap_or(0),
         }))
     }
 
@@ -626,6 +630,7 @@ impl Worker for WorkerService {
                         })
                     }
                     JobEvent::Done { result, queued } => {
+                        let result = *result;
                         if let Ok(g) = &result {
                             tracing::debug!(
                                 request_id,

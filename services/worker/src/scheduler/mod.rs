@@ -37,7 +37,8 @@ pub enum JobEvent {
     Token(TokenEvent),
     /// The last event of a job. `queued` is how long it waited for the engine.
     Done {
-        result: Result<Generation, EngineError>,
+        /// Boxed: a generation is large beside a token event.
+        result: Box<Result<Generation, EngineError>>,
         queued: Duration,
     },
 }
@@ -379,7 +380,7 @@ fn admit<M: BatchModel>(
         Err(e) => {
             c.failed.fetch_add(1, Ordering::Relaxed);
             let _ = job.events.send(JobEvent::Done {
-                result: Err(e),
+                result: Box::new(Err(e)),
                 queued,
             });
         }
@@ -412,6 +413,21 @@ fn retire<M: BatchModel>(model: &M, mut a: Active<M::Seq>, c: &Counters) {
                     .fetch_add(g.pruned_tokens as u64, Ordering::Relaxed);
                 c.pruned_requests.fetch_add(1, Ordering::Relaxed);
             }
+            let p = g.timings.phases;
+            if p.passes > 0 {
+                let ms = |d: Duration| d.as_secs_f64() * 1e3;
+                tracing::info!(
+                    prompt_tokens = g.prompt_tokens,
+                    cached_tokens = g.cached_tokens,
+                    prefill_ms = ms(g.timings.prefill),
+                    passes = p.passes,
+                    compute_ms = ms(p.compute),
+                    export_ms = ms(p.export),
+                    store_ms = ms(p.store),
+                    blocks = p.blocks,
+                    "prefill phases"
+                );
+            }
             c.prompt_tokens
                 .fetch_add(g.prompt_tokens as u64, Ordering::Relaxed);
             c.generated_tokens
@@ -422,7 +438,7 @@ fn retire<M: BatchModel>(model: &M, mut a: Active<M::Seq>, c: &Counters) {
         }
     }
     let _ = a.events.send(JobEvent::Done {
-        result,
+        result: Box::new(result),
         queued: a.queued,
     });
 }

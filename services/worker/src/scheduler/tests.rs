@@ -306,7 +306,7 @@ fn drain(
     loop {
         match rx.try_recv() {
             Ok(JobEvent::Token(e)) => tokens.push(e.token),
-            Ok(JobEvent::Done { result, .. }) => return (tokens, result),
+            Ok(JobEvent::Done { result, .. }) => return (tokens, *result),
             Err(mpsc::error::TryRecvError::Empty) => {
                 assert!(Instant::now() < deadline, "the job did not end");
                 std::thread::sleep(Duration::from_millis(1));
