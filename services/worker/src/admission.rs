@@ -144,7 +144,10 @@ impl Admission {
         let tokens = (prompt_tokens + max_tokens) as u64;
         let kv_tokens = tokens.div_ceil(self.kv_step_tokens) * self.kv_step_tokens;
         let kv = kv_tokens * self.kv_bytes_per_token;
-        let chunk = self.prefill_chunk_tokens.min(prompt_tokens.max(1) as u64);
+        let chunk = self
+            .prefill_chunk_tokens
+            .min(prompt_tokens.max(1) as u64)
+            .min((crate::engine::generate::MAX_PASS_SCORES as u64 / tokens.max(1)).max(1));
         let scores = 2 * chunk * tokens * self.heads * 4;
         let mlp = chunk * (4 * self.hidden + 3 * self.intermediate) * 4;
         let logits = 2 * self.vocab * 4;

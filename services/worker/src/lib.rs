@@ -2,6 +2,7 @@
 
 pub mod admission;
 pub mod blas_env;
+pub mod device_copy;
 pub mod embedder;
 pub mod engine;
 pub mod grammar;

@@ -729,6 +729,16 @@ fn serving(
             ),
         ),
         (
+            "kv_readback".into(),
+            if strata_worker::device_copy::uses_driver() {
+                "CUDA driver bulk copy of finished KV (MLX's managed memory read page by page \
+                 is slower)"
+                    .into()
+            } else {
+                "direct read (the KV is in host memory, or no CUDA driver is loaded)".into()
+            },
+        ),
+        (
             "store_decode_kv".into(),
             if options.store_decode_kv {
                 "on (generated tokens' blocks are cached; not bit-identical to prefill)".into()

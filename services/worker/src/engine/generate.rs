@@ -15,6 +15,12 @@ use super::{EngineError, Result};
 /// Prefill this many tokens per forward pass by default (rounded down to whole blocks).
 pub const DEFAULT_PREFILL_CHUNK_TOKENS: usize = 256;
 
+/// Query-key pairs one prefill pass may score: 2^28, 6.4 GB of f16 scores over 12 heads where
+/// the attention materialises them. A GPU's 4096-token pass stays whole up to a 64K prompt
+/// and halves as the prompt doubles past it (a 131K prompt in 4096-token passes did not finish
+/// within the call on an 80 GB H100); the CPU's 256-token passes are not touched below 1M.
+pub const MAX_PASS_SCORES: usize = 1 << 28;
+
 #[derive(Debug, Clone)]
 pub struct GenerateRequest {
     pub prompt: Vec<u32>,
@@ -212,6 +218,14 @@ impl LoadedModel {
     pub fn prefill_chunk(&self, options: &EngineOptions) -> usize {
         let b = self.block_tokens;
         (options.prefill_chunk_tokens / b).max(1) * b
+    }
+
+    /// The pass for a prompt of `prompt_tokens`: `prefill_chunk`, shortened (in whole blocks)
+    /// so that one pass scores at most `MAX_PASS_SCORES` query-key pairs.
+    pub fn prefill_chunk_for(&self, options: &EngineOptions, prompt_tokens: usize) -> usize {
+        let b = self.block_tokens;
+        let fits = MAX_PASS_SCORES / prompt_tokens.max(1) / b * b;
+        self.prefill_chunk(options).min(fits.max(b))
     }
 
     /// Prefills `tokens` after what `cache` holds, in chunks whose ends fall on multiples of

@@ -624,11 +624,10 @@ impl KvCache {
         let per_token = self.layout.bytes_per_token();
         let mut out = Vec::with_capacity(self.layout.block_bytes(end - start));
         for slice in slices {
-            out.extend_from_slice(
-                slice
-                    .try_as_slice::<u8>()
-                    .map_err(|e| EngineError::Mlx(format!("reading KV bytes: {e}")))?,
-            );
+            let bytes = slice
+                .try_as_slice::<u8>()
+                .map_err(|e| EngineError::Mlx(format!("reading KV bytes: {e}")))?;
+            crate::device_copy::append(&mut out, bytes);
         }
         debug_assert_eq!(out.len(), (end - start) * per_token);
         if self.layout.recurrent.is_some() {
@@ -1008,6 +1007,35 @@ mod tests {
         let mut bad = KvCache::new(layout, 16);
         assert!(bad.import_all(&[(&first, 5)]).is_err());
         assert!(bad.import_all(&[(&first[..first.len() - 4], 3)]).is_err());
+    }
+
+    /// Several ranges exported in one evaluation are each what exporting it alone gives, in
+    /// the order asked, partial and overlapping ranges included; a range past the end fails.
+    #[test]
+    fn ranges_exported_together_equal_each_exported_alone() {
+        let layout = KvLayout {
+            num_layers: 2,
+            kv_heads: 2,
+            head_dim: 4,
+            dtype: Dtype::Float32,
+            window: None,
+            recurrent: None,
+        };
+        let bytes: Vec<u8> = (0..9 * layout.bytes_per_token() / 4)
+            .flat_map(|i| (i as f32 * 0.25 - 3.0).to_le_bytes())
+            .collect();
+        let mut cache = KvCache::new(layout, 16);
+        cache.import_all(&[(&bytes, 9)]).unwrap();
+        let ranges = [0..4, 4..8, 8..9, 2..7, 0..9];
+        let together = cache.export_ranges(&ranges).unwrap();
+        assert_eq!(together.len(), ranges.len());
+        for (range, got) in ranges.iter().zip(&together) {
+            assert_eq!(got, &cache.export(range.start, range.end).unwrap());
+            assert_eq!(got.len(), range.len() * layout.bytes_per_token());
+        }
+        // A range over all that was imported gives the imported bytes back.
+        assert_eq!(together[4], bytes);
+        assert!(cache.export_ranges(&[0..4, 8..10]).is_err());
     }
 
     /// A hybrid model's block carries the recurrent states at its end: importing blocks

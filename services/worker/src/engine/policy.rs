@@ -99,3 +99,14 @@ pub fn dtype_bytes(dtype: Dtype) -> usize {
         _ => 4,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_gpu_prefills_in_longer_passes_than_the_cpu() {
+        assert_eq!(default_prefill_chunk_tokens("cpu"), 256);
+        assert_eq!(default_prefill_chunk_tokens("gpu"), 4096);
+    }
+}

@@ -199,7 +199,7 @@ impl Sequence {
             sampler: Sampler::new(req.sampling.clone(), &req.prompt),
             stops: StopMatcher::new(&req.stop),
             decoder: StreamDecoder::new(true),
-            chunk: model.prefill_chunk(options),
+            chunk: model.prefill_chunk_for(options, req.prompt.len()),
             block,
             last_token_alone: options.last_token_alone,
             cache,

@@ -893,6 +893,17 @@ fn live_features(serving: &Serving) -> std::collections::HashMap<String, String>
             c.pruned_tokens.load(Ordering::Relaxed)
         ));
     }
+    if let Some(v) = out.get_mut("kv_readback") {
+        let (driver, fallback) = (
+            crate::device_copy::DRIVER_COPIES.load(Ordering::Relaxed),
+            crate::device_copy::FALLBACK_COPIES.load(Ordering::Relaxed),
+        );
+        if driver + fallback > 0 {
+            v.push_str(&format!(
+                "; so far {driver} copies by the driver, {fallback} read directly after it failed"
+            ));
+        }
+    }
     out
 }
 
