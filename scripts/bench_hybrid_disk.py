@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""Disk use of a hybrid model's prompts (issue 26): bytes the cache service's disk tier holds
+per 1K prompt tokens at several lengths, and a hit from the disk tier after a restart of every
+process. Not CI; a table on stdout and JSON in --out.
+
+    scripts/mlx-env python3 scripts/bench_hybrid_disk.py --bin-dir target/release \\
+        --model $STRATA_CACHE/models/qwen3_5_moe-bench --lengths 8192,32768,65536 --out R.json
+
+Each length is a prompt of random token ids of its own (no shared prefix), max_tokens 1. The
+model folder is served through a copy whose config allows 131,072 positions (random weights:
+only the shapes matter here). Expected: a flat line, attention K/V per token plus one
+recurrent-state snapshot per 256-token block.
+"""
+import argparse
+import json
+import os
+import pathlib
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def call(base, path, body=None, token=None, timeout=3600):
+    headers = {"content-type": "application/json"}
+    if token:
+        headers["authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(base + path, headers=headers, method="POST" if body else "GET",
+                                 data=json.dumps(body).encode() if body else None)
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.load(r)
+
+
+def du(path):
+    return sum(f.stat().st_size for f in pathlib.Path(path).rglob("*") if f.is_file())
+
+
+class Cluster:
+    def __init__(self, args, model, tmp):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.cmd = [str(pathlib.Path(args.bin_dir) / "strata"), "up", "--bind",
+                    f"127.0.0.1:{self.port}", "--model", str(model), "--model-id", "m",
+                    "--run-dir", str(tmp / "run"), "--kv-dir", str(tmp / "kv"),
+                    "--kv-ram", "1GiB", "--kv-disk", "64GiB"]
+        self.tmp, self.proc = tmp, None
+
+    def start(self):
+        self.proc = subprocess.Popen(self.cmd, stdout=open(self.tmp / "strata.log", "ab"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        for _ in range(600):
+            try:
+                self.complete([100, 101])
+                self.token = (self.tmp / "run" / "admin-token").read_text().strip()
+                return
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError("strata did not start")
+
+    def stop(self):
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        self.proc.wait(timeout=120)
+
+    def complete(self, ids):
+        started = time.perf_counter()
+        r = call(self.base, "/v1/completions",
+                 {"model": "m", "prompt": ids, "max_tokens": 1, "temperature": 0})
+        return time.perf_counter() - started, r["usage"]
+
+    def disk(self):
+        """Bytes the disk tier holds, once the stores in flight have landed."""
+        last = None
+        for _ in range(240):
+            s = call(self.base, "/admin/api/cache/stats", token=self.token)
+            now = (s["disk"]["bytes"], s["disk"]["blocks"], s["disk_bytes_written"])
+            if now == last:
+                return {"bytes": now[0], "blocks": now[1], "written": now[2]}
+            last = now
+            time.sleep(1.0)
+        return {"bytes": last[0], "blocks": last[1], "written": last[2]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin-dir", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--lengths", default="8192,32768,65536")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="strata-hybrid-disk-"))
+    model = tmp / "model"
+    model.mkdir()
+    for f in pathlib.Path(args.model).iterdir():
+        (model / f.name).symlink_to(f.resolve())
+    config = json.loads((pathlib.Path(args.model) / "config.json").read_text())
+    (config.get("text_config") or config)["max_position_embeddings"] = 131072
+    (model / "config.json").unlink()
+    (model / "config.json").write_text(json.dumps(config, indent=1))
+    c = Cluster(args, model, tmp)
+    c.start()
+    rows, prompts = [], {}
+    try:
+        for n in lengths:
+            rng = random.Random(n)
+            prompts[n] = [rng.randrange(100, 49000) for _ in range(n)]
+            before = c.disk()
+            cold, usage = c.complete(prompts[n])
+            after = c.disk()
+            added = after["bytes"] - before["bytes"]
+            row = {"prompt_tokens": usage["prompt_tokens"], "cold_s": cold,
+                   "disk_bytes_added": added, "blocks_added": after["blocks"] - before["blocks"],
+                   "bytes_per_1k_tokens": added / (n / 1000)}
+            rows.append(row)
+            print(f"{n}: {row}", file=sys.stderr, flush=True)
+        c.stop()
+        c.start()
+        for row, n in zip(rows, lengths):
+            t, usage = c.complete(prompts[n])
+            row["after_restart_s"] = t
+            row["after_restart_cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get(
+                "cached_tokens")
+        rows_du = du(tmp / "kv")
+    finally:
+        c.stop()
+    result = {"rows": rows, "kv_dir_bytes_on_disk": rows_du}
+    pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+    print("| prompt tokens | cold | disk bytes added | blocks | bytes per 1K tokens | "
+          "after restart | cached tokens |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['prompt_tokens']} | {r['cold_s']:.1f} s | {r['disk_bytes_added']:,} | "
+              f"{r['blocks_added']} | {r['bytes_per_1k_tokens'] / 1e6:.2f} MB | "
+              f"{r['after_restart_s']:.2f} s | {r['after_restart_cached_tokens']} |")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
