@@ -346,3 +346,37 @@ def test_a_hybrid_model_resumes_a_new_question_at_the_end_of_the_shared_system_p
     with config_cluster(bin_dir, tmp_path, port, config) as c:
         client = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0)
         assert ask(client, "t50 t51") == 63
+
+
+def test_a_hybrid_model_resumes_a_branch_at_any_earlier_message_end(bin_dir, tmp_path):
+    """Every message end of a chat is a resume point (the last one of each block, so that a
+    long chat's snapshots stay one per block at most): a second conversation that shares the
+    first one up to its third message (neither its first message nor the one before its last)
+    resumes exactly there, and so does a third after a restart, from the disk tier. One
+    token per word, 3 per message for `<|im_start|>`, the role and `<|im_end|>`."""
+    def words(start, n):
+        return " ".join(f"t{(start + i) % 200 + 5}" for i in range(n))
+
+    head = [{"role": "system", "content": words(0, 60)},
+            {"role": "user", "content": words(10, 300)},
+            {"role": "assistant", "content": words(20, 300)}]
+    first = head + [{"role": "user", "content": words(30, 300)},
+                    {"role": "assistant", "content": words(40, 20)},
+                    {"role": "user", "content": words(50, 10)}]
+    shared = 63 + 303 + 303
+
+    def ask(client, messages):
+        r = client.chat.completions.create(
+            model="qwen3_5", temperature=0, max_tokens=2, messages=messages,
+            extra_body={"ignore_eos": True})
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    port = pick_port()
+    config = one_model_config(tmp_path, port, "qwen3_5", FAMILIES_DIR / "qwen3_5")
+    with config_cluster(bin_dir, tmp_path, port, config) as c:
+        client = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0)
+        assert ask(client, first) == 0
+        assert ask(client, head + [{"role": "user", "content": words(60, 12)}]) == shared
+    with config_cluster(bin_dir, tmp_path, port, config) as c:
+        client = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0)
+        assert ask(client, head + [{"role": "user", "content": words(70, 5)}]) == shared

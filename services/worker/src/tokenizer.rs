@@ -301,6 +301,26 @@ impl Tokenizer {
         Ok(ids)
     }
 
+    /// `encode`'s ids, with the byte span in `text` of each token ((0, 0) for a BOS the model
+    /// adds): where a message ends, no token may straddle.
+    pub fn encode_with_spans(
+        &self,
+        text: &str,
+    ) -> Result<(Vec<u32>, Vec<(usize, usize)>), TokenizerError> {
+        let encoding = self.inner.encode(text, false).map_err(lib_err)?;
+        let mut ids = Vec::with_capacity(encoding.len() + 1);
+        let mut spans = Vec::with_capacity(encoding.len() + 1);
+        if self.add_bos
+            && let Some(bos) = self.bos
+        {
+            ids.push(bos);
+            spans.push((0, 0));
+        }
+        ids.extend_from_slice(encoding.get_ids());
+        spans.extend_from_slice(encoding.get_offsets());
+        Ok((ids, spans))
+    }
+
     /// Text of `ids`, special tokens included as written (`<|im_end|>`) unless `skip_special`.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, TokenizerError> {
         self.inner.decode(ids, skip_special).map_err(lib_err)

@@ -263,12 +263,13 @@ impl Serving {
         }
     }
 
-    /// Where a conversation's messages end in its prompt `ids`, for the message ends a later
-    /// prompt most likely parts at: after the first message (a shared system prompt) and
-    /// before the last one (the same history with a new question). A position counts only
-    /// where the conversation up to there renders to a prefix of `text` whose tokens are a
-    /// prefix of `ids` (templates that rewrite earlier turns, or a token that straddles the
-    /// boundary, give none).
+    /// Where a conversation's messages end in its prompt `ids`, so that a later prompt sharing
+    /// the conversation up to any message (a system prompt, a history with a new question, a
+    /// branch at an earlier turn) resumes exactly there. A message end counts where the
+    /// conversation up to it renders to a prefix of `text` and no token of `ids` straddles
+    /// that byte (templates that rewrite earlier turns, or a token across the end, give
+    /// none). At most one per block, the last: each costs a partial block with the recurrent
+    /// states, so that disk use stays linear in tokens however many turns a chat has.
     fn message_ends(
         &self,
         messages: &[crate::template::ChatMessage],
@@ -276,28 +277,27 @@ impl Serving {
         text: &str,
         ids: &[u32],
     ) -> Vec<usize> {
-        let mut counts: Vec<usize> = [1, messages.len().saturating_sub(1)]
-            .into_iter()
-            .filter(|&k| k >= 1 && k < messages.len())
-            .collect();
-        counts.dedup();
-        let mut ends = Vec::new();
-        for k in counts {
+        let Ok((encoded, spans)) = self.tokenizer.encode_with_spans(text) else {
+            return Vec::new();
+        };
+        if encoded != ids {
+            return Vec::new();
+        }
+        let mut found = Vec::new();
+        for k in 1..messages.len() {
             let Ok(prefix) = self.template.render(&messages[..k], false, tools) else {
                 continue;
             };
             if prefix.is_empty() || !text.starts_with(&prefix) {
                 continue;
             }
-            let Ok(prefix_ids) = self.tokenizer.encode(&prefix) else {
-                continue;
-            };
-            let n = prefix_ids.len();
-            if n > 0 && n < ids.len() && ids.starts_with(&prefix_ids) {
-                ends.push(n);
+            if let Some(n) = tokens_before(&spans, prefix.len())
+                && n < ids.len()
+            {
+                found.push(n);
             }
         }
-        ends
+        last_per_block(found, self.info.block_tokens as usize)
     }
 
     /// The ids the KV cache knows a prompt by (image positions carry their image's hash).
@@ -867,6 +867,29 @@ impl Worker for WorkerService {
     }
 }
 
+/// The number of tokens before byte `at` of the text, if no token straddles it (bytes no token
+/// covers, such as whitespace a tokenizer drops, may lie on either side).
+fn tokens_before(spans: &[(usize, usize)], at: usize) -> Option<usize> {
+    let n = spans.partition_point(|&(_, end)| end <= at);
+    let clean = spans.get(n).is_none_or(|&(start, _)| start >= at);
+    (n > 0 && clean).then_some(n)
+}
+
+/// The last of `positions` in each block of `block` tokens, in order.
+fn last_per_block(mut positions: Vec<usize>, block: usize) -> Vec<usize> {
+    positions.sort_unstable();
+    positions.dedup();
+    let block = block.max(1);
+    let mut out: Vec<usize> = Vec::with_capacity(positions.len());
+    for p in positions {
+        match out.last_mut() {
+            Some(last) if *last / block == p / block => *last = p,
+            _ => out.push(p),
+        }
+    }
+    out
+}
+
 /// The features as configured, with what the accelerators did so far.
 fn live_features(serving: &Serving) -> std::collections::HashMap<String, String> {
     let c = &serving.scheduler.counters;
@@ -977,7 +1000,31 @@ fn validate(serving: &Serving, req: &GenerateRequest) -> Result<(), Status> {
 
 #[cfg(test)]
 mod tests {
-    use super::output_budget;
+    use super::{last_per_block, output_budget, tokens_before};
+
+    #[test]
+    fn a_message_end_counts_only_where_no_token_straddles_it() {
+        // A BOS, then tokens over bytes 0..3, 4..7 (a space before it) and 7..12.
+        let spans = [(0, 0), (0, 3), (4, 7), (7, 12)];
+        assert_eq!(tokens_before(&spans, 3), Some(2));
+        assert_eq!(
+            tokens_before(&spans, 4),
+            Some(2),
+            "the space belongs to no token"
+        );
+        assert_eq!(tokens_before(&spans, 7), Some(3));
+        assert_eq!(tokens_before(&spans, 12), Some(4));
+        assert_eq!(tokens_before(&spans, 5), None, "inside the token 4..7");
+    }
+
+    #[test]
+    fn message_ends_keep_the_last_one_of_each_block() {
+        assert_eq!(
+            last_per_block(vec![300, 20, 90, 600, 310, 90], 256),
+            vec![90, 310, 600]
+        );
+        assert!(last_per_block(Vec::new(), 256).is_empty());
+    }
 
     #[test]
     fn an_output_budget_past_the_context_is_clamped_and_a_full_prompt_is_refused() {
