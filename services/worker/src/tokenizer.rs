@@ -126,6 +126,9 @@ fn merges_from_scores(spec: &GgufTokenizerSpec) -> Vec<(String, String)> {
 /// Qwen2's split rule (single digits, case-insensitive contractions, newlines kept apart).
 const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// A token's byte range in the text it came from: (start, end).
+pub type Span = (usize, usize);
+
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     bos: Option<u32>,
@@ -303,10 +306,7 @@ impl Tokenizer {
 
     /// `encode`'s ids, with the byte span in `text` of each token ((0, 0) for a BOS the model
     /// adds): where a message ends, no token may straddle.
-    pub fn encode_with_spans(
-        &self,
-        text: &str,
-    ) -> Result<(Vec<u32>, Vec<(usize, usize)>), TokenizerError> {
+    pub fn encode_with_spans(&self, text: &str) -> Result<(Vec<u32>, Vec<Span>), TokenizerError> {
         let encoding = self.inner.encode(text, false).map_err(lib_err)?;
         let mut ids = Vec::with_capacity(encoding.len() + 1);
         let mut spans = Vec::with_capacity(encoding.len() + 1);
