@@ -186,6 +186,13 @@ pub struct ModelConfig {
     /// computing the prompt (see `strata-worker serve --kv-cache-bits`).
     #[serde(default)]
     pub kv_cache_bits: Option<u32>,
+    /// This model's own hot tier (L0, in its worker's memory), e.g. "2GiB"; "0" turns it off
+    /// [default: 256MiB].
+    #[serde(default)]
+    pub l0_bytes: Option<String>,
+    /// Tokens per prefill pass [default: the device's, 256 on the CPU and 4096 on a GPU].
+    #[serde(default)]
+    pub prefill_chunk_tokens: Option<usize>,
     /// Load when `strata up` starts even if not pinned [default: only pinned models start
     /// loaded; the others load on their first request].
     #[serde(default)]
@@ -211,6 +218,8 @@ impl ModelConfig {
             draft_model: None,
             draft_tokens: None,
             kv_cache_bits: None,
+            l0_bytes: None,
+            prefill_chunk_tokens: None,
             preload: false,
             idle_ttl_secs: None,
         }

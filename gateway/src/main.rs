@@ -767,6 +767,16 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
                     .iter()
                     .flat_map(|n| ["--context-length".to_string(), n.to_string()]),
             )
+            .chain(
+                m.l0_bytes
+                    .iter()
+                    .flat_map(|b| ["--l0-bytes".to_string(), b.clone()]),
+            )
+            .chain(
+                m.prefill_chunk_tokens
+                    .iter()
+                    .flat_map(|n| ["--prefill-chunk-tokens".to_string(), n.to_string()]),
+            )
             .collect(),
             socket,
             envs: child_envs.clone(),
@@ -888,7 +898,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
 /// when one is set (the worker never grows past it), else an estimate from its weight files:
 /// a GGUF's quantised weights are expanded to f32 on the CPU (about 6x; SmolLM2's 98 MB
 /// Q4_1 file holds ~600 MB resident), safetensors are loaded about as stored; plus the
-/// worker's 256 MiB L0 for an LLM.
+/// worker's L0 for an LLM (`l0_bytes`, 256 MiB by default).
 fn memory_estimate(m: &ModelConfig, default_budget: Option<&str>) -> anyhow::Result<u64> {
     if let Some(b) = m.memory_budget.as_deref().or(default_budget) {
         return parse_size::parse_size(b)
@@ -913,10 +923,12 @@ fn memory_estimate(m: &ModelConfig, default_budget: Option<&str>) -> anyhow::Res
     } else {
         bytes * 6
     };
-    let l0 = if m.kind == ModelKind::Embedding {
-        0
-    } else {
-        256 << 20
+    let l0 = match (&m.kind, &m.l0_bytes) {
+        (ModelKind::Embedding, _) => 0,
+        (_, Some(b)) => {
+            parse_size::parse_size(b).with_context(|| format!("model {}: l0_bytes {b:?}", m.id))?
+        }
+        (_, None) => 256 << 20,
     };
     Ok(weights + l0 + (64 << 20))
 }

@@ -362,6 +362,32 @@ def test_a_stopping_cluster_stores_the_blocks_its_workers_still_hold(bin_dir, de
         assert again.choices[0].message.content == first.choices[0].message.content
 
 
+def test_blocks_still_on_their_way_to_the_cache_service_serve_the_next_prompt(
+        bin_dir, default_model, tmp_path):
+    # L0 is off and every Store call is held back 6 s (a debug-build fault switch): the same
+    # prompt sent again at once finds its blocks neither in L0 nor in the cache service yet.
+    # They are in the worker's store queue, and a lookup takes them from there: before, such
+    # a prompt was computed again whole.
+    port = pick_port()
+    text = one_model_config(tmp_path, port, MODEL, default_model, model='l0_bytes = "0"')
+    ask = messages("Name the parties in one line.")
+    env = dict(os.environ, STRATA_TEST_STORE_DELAY_MS="6000")
+    with config_cluster(bin_dir, tmp_path, port, text, env=env) as c:
+        oai = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        first = oai.chat.completions.create(model=MODEL, messages=ask, max_tokens=4,
+                                            temperature=0)
+        assert first.usage.prompt_tokens >= 512
+        again = oai.chat.completions.create(model=MODEL, messages=ask, max_tokens=4,
+                                            temperature=0)
+        # Every whole block of the prompt, from this worker's memory (nothing had landed in
+        # the service yet).
+        tiers = again.usage.model_extra["strata_cached_tokens_by_tier"]
+        body = first.usage.prompt_tokens - 1
+        assert tiers["l0"] == body // 256 * 256, tiers
+        assert tiers["l1"] + tiers["l2"] == 0, tiers
+        assert again.choices[0].message.content == first.choices[0].message.content
+
+
 def test_a_trickled_body_and_a_client_that_stops_reading_are_cut_and_stall_nothing(
         bin_dir, default_model, tmp_path):
     # Both bounds are a minute in a release build; a debug-build switch makes them 2 s here.

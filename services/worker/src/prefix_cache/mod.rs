@@ -124,12 +124,19 @@ pub struct PrefixCache {
     /// Hybrid models: (recurrent layers, floats of each one's state), whose snapshots end
     /// every block's payload.
     recurrent: Option<(u32, u64)>,
-    /// Blocks to store, each with the span of the request that computed it.
-    store: mpsc::Sender<(Block, tracing::Span)>,
+    /// Blocks to store, each with its key and the span of the request that computed it.
+    store: mpsc::Sender<(BlockKey, Block, tracing::Span)>,
+    /// Whole blocks handed to the store task and not yet answered by the cache service: a
+    /// prompt that follows at once (a chat's next turn, a long prompt L0 cannot hold) finds
+    /// them here instead of missing them while they travel.
+    in_flight: InFlight,
     pub stats: Arc<PrefixStats>,
     cost: Arc<Mutex<CostModel>>,
     reuse: Reuse,
 }
+
+/// Payloads of blocks on their way to the cache service, by key.
+pub(crate) type InFlight = Arc<Mutex<std::collections::HashMap<BlockKey, Bytes>>>;
 
 /// Receives each KV block a sequence finishes.
 pub type BlockSinkFn = Box<dyn FnMut(FinishedBlock) + Send>;
@@ -177,8 +184,9 @@ impl PrefixCache {
         let client = socket.map(|s| CacheClient::connect(s, Duration::from_secs(1)));
         let (store, rx) = mpsc::channel(STORE_QUEUE_BLOCKS);
         let stats = Arc::new(PrefixStats::default());
+        let in_flight = InFlight::default();
         if let Some(c) = &client {
-            tokio::spawn(store_loop(c.clone(), rx, stats.clone()));
+            tokio::spawn(store_loop(c.clone(), rx, stats.clone(), in_flight.clone()));
         }
         Self {
             client,
@@ -197,6 +205,7 @@ impl PrefixCache {
                 dtype_name(layout.dtype),
             ),
             store,
+            in_flight,
             stats,
             cost: Arc::new(Mutex::new(CostModel::default())),
             reuse: Reuse::CommonPrefix,
@@ -296,7 +305,8 @@ impl PrefixCache {
         {
             let mut l0 = lock(&self.l0);
             for k in &keys[..reusable] {
-                match l0.get(k) {
+                // This process's memory: L0, or a block still on its way to the service.
+                match l0.get(k).or_else(|| lock(&self.in_flight).get(k).cloned()) {
                     Some(bytes) => cached.push((bytes, b)),
                     None => break,
                 }
@@ -441,7 +451,17 @@ impl PrefixCache {
             this.stats
                 .blocks_store_pending
                 .fetch_add(1, Ordering::Relaxed);
-            if this.store.try_send((made, request_span.clone())).is_err() {
+            if !partial {
+                lock(&this.in_flight).insert(key, made.payload.clone());
+            }
+            if this
+                .store
+                .try_send((key, made, request_span.clone()))
+                .is_err()
+            {
+                if !partial {
+                    lock(&this.in_flight).remove(&key);
+                }
                 this.stats
                     .blocks_store_pending
                     .fetch_sub(1, Ordering::Relaxed);

@@ -12,7 +12,7 @@ use strata_proto::kvcache::{Block, Tier};
 use tokio::sync::mpsc;
 use tracing::Instrument;
 
-use super::{LOOKUP_DEADLINE, PrefixCache, PrefixStats, lock};
+use super::{InFlight, LOOKUP_DEADLINE, PrefixCache, PrefixStats, lock};
 
 impl PrefixCache {
     /// What the cache service adds to the `have` leading blocks of `keys` found in L0: the
@@ -241,14 +241,19 @@ fn test_store_delay() -> Option<Duration> {
 /// Sends stored blocks to the cache service, as many per Store call as are waiting.
 pub(super) async fn store_loop(
     mut client: CacheClient,
-    mut rx: mpsc::Receiver<(Block, tracing::Span)>,
+    mut rx: mpsc::Receiver<(BlockKey, Block, tracing::Span)>,
     stats: Arc<PrefixStats>,
+    in_flight: InFlight,
 ) {
-    while let Some((first, parent)) = rx.recv().await {
+    while let Some((key, first, parent)) = rx.recv().await {
+        let mut keys = vec![key];
         let mut batch = vec![first];
         while batch.len() < 32 {
             match rx.try_recv() {
-                Ok((b, _)) => batch.push(b),
+                Ok((k, b, _)) => {
+                    keys.push(k);
+                    batch.push(b);
+                }
                 Err(_) => break,
             }
         }
@@ -268,6 +273,13 @@ pub(super) async fn store_loop(
         .instrument(span)
         .await;
         stats.blocks_store_pending.fetch_sub(n, Ordering::Relaxed);
+        // Stored or not, the service has answered: lookups go there (or miss) from now on.
+        {
+            let mut held = lock(&in_flight);
+            for k in &keys {
+                held.remove(k);
+            }
+        }
         match stored {
             Ok(r) => {
                 let r = r.into_inner();
