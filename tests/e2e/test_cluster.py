@@ -65,6 +65,8 @@ def test_up_serves_health_restarts_a_killed_worker_and_stops_on_sigterm(cluster)
     worker = by_name["worker-smollm2"]
     # The worker answered its gRPC health with the MLX library it really loaded.
     assert "mlx 0.32.2 on cpu" in worker["detail"], worker
+    # And the prefill pass chosen for the device (the CPU's).
+    assert "prefill passes of 256 tokens" in worker["detail"], worker
     for name in ("kvcache.sock", "worker-0.sock"):
         mode = os.stat(run_dir / name).st_mode & 0o777
         assert mode == 0o600, f"{name} has mode {oct(mode)}"

@@ -369,7 +369,8 @@ def test_blocks_still_on_their_way_to_the_cache_service_serve_the_next_prompt(
     # They are in the worker's store queue, and a lookup takes them from there: before, such
     # a prompt was computed again whole.
     port = pick_port()
-    text = one_model_config(tmp_path, port, MODEL, default_model, model='l0_bytes = "0"')
+    text = one_model_config(tmp_path, port, MODEL, default_model,
+                            model='l0_bytes = "0"\nprefill_chunk_tokens = 512')
     ask = messages("Name the parties in one line.")
     env = dict(os.environ, STRATA_TEST_STORE_DELAY_MS="6000")
     with config_cluster(bin_dir, tmp_path, port, text, env=env) as c:
@@ -386,6 +387,16 @@ def test_blocks_still_on_their_way_to_the_cache_service_serve_the_next_prompt(
         assert tiers["l0"] == body // 256 * 256, tiers
         assert tiers["l1"] + tiers["l2"] == 0, tiers
         assert again.choices[0].message.content == first.choices[0].message.content
+        # strata.toml's settings reached the worker, and /admin says how it runs.
+        token = (tmp_path / "run" / "admin-token").read_text().strip()
+        req = urllib.request.Request(c.url + "/admin/api/workers",
+                                     headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            workers = {w["name"]: w for w in json.load(r)["workers"]}
+        features = workers[f"worker-{MODEL}"]["stats"]["features"]
+        assert features["prefill_chunks"].startswith("512 tokens per pass on the cpu"), features
+        assert "L0 off" in features["prefix_cache"], features
+        assert features["kv_readback"].startswith("direct read"), features
 
 
 def test_a_trickled_body_and_a_client_that_stops_reading_are_cut_and_stall_nothing(
