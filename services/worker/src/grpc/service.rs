@@ -22,7 +22,7 @@ use crate::grammar::{Constraint, GrammarEngine};
 use crate::prefix_cache::PrefixCache;
 use crate::scheduler::{JobEvent, Scheduler, SubmitError};
 use crate::template::{ChatMessage, ChatTemplate};
-use crate::tokenizer::Tokenizer;
+use crate::tokenizer::{Span, Tokenizer};
 
 /// What the worker serves, fixed at start-up.
 #[derive(Debug, Clone)]
@@ -195,7 +195,18 @@ impl Serving {
                     // The template rejected the conversation (e.g. a role it does not know).
                     Err(e) => return Err(Status::invalid_argument(e.to_string())),
                 };
-                let ids = self.tokenizer.encode(&text).map_err(internal)?;
+                // Hybrid models also find where messages end (only where rendering kept the
+                // messages as sent: a fold moves text), from each token's byte span: one
+                // tokenization either way.
+                let find_ends = self.kv_layout.recurrent.is_some()
+                    && self.images.is_none()
+                    && notices.is_empty();
+                let (ids, spans) = if find_ends {
+                    let (ids, spans) = self.tokenizer.encode_with_spans(&text).map_err(internal)?;
+                    (ids, Some(spans))
+                } else {
+                    (self.tokenizer.encode(&text).map_err(internal)?, None)
+                };
                 let Some(input) = &self.images else {
                     if !chat.images.is_empty() {
                         return Err(Status::invalid_argument(format!(
@@ -203,11 +214,9 @@ impl Serving {
                             self.model_id
                         )));
                     }
-                    // Only where rendering kept the messages as sent (a fold moves text).
-                    let message_ends = if self.kv_layout.recurrent.is_some() && notices.is_empty() {
-                        self.message_ends(&messages, tools.as_ref(), &text, &ids)
-                    } else {
-                        Vec::new()
+                    let message_ends = match &spans {
+                        Some(spans) => self.message_ends(&messages, tools.as_ref(), &text, spans),
+                        None => Vec::new(),
                     };
                     return Ok(Tokenized {
                         notices,
@@ -263,26 +272,21 @@ impl Serving {
         }
     }
 
-    /// Where a conversation's messages end in its prompt `ids`, so that a later prompt sharing
-    /// the conversation up to any message (a system prompt, a history with a new question, a
-    /// branch at an earlier turn) resumes exactly there. A message end counts where the
-    /// conversation up to it renders to a prefix of `text` and no token of `ids` straddles
-    /// that byte (templates that rewrite earlier turns, or a token across the end, give
-    /// none). At most one per block, the last: each costs a partial block with the recurrent
-    /// states, so that disk use stays linear in tokens however many turns a chat has.
+    /// Where a conversation's messages end in its prompt (`spans`: each token's bytes in
+    /// `text`), so that a later prompt sharing the conversation up to any message (a system
+    /// prompt, a history with a new question, a branch at an earlier turn) resumes exactly
+    /// there. A message end counts where the conversation up to it renders to a prefix of
+    /// `text` and no token straddles that byte (templates that rewrite earlier turns, or a
+    /// token across the end, give none). At most one per block, the last: each costs a partial
+    /// block with the recurrent states, so that disk use stays linear in tokens however many
+    /// turns a chat has.
     fn message_ends(
         &self,
         messages: &[crate::template::ChatMessage],
         tools: Option<&serde_json::Value>,
         text: &str,
-        ids: &[u32],
+        spans: &[Span],
     ) -> Vec<usize> {
-        let Ok((encoded, spans)) = self.tokenizer.encode_with_spans(text) else {
-            return Vec::new();
-        };
-        if encoded != ids {
-            return Vec::new();
-        }
         let mut found = Vec::new();
         for k in 1..messages.len() {
             let Ok(prefix) = self.template.render(&messages[..k], false, tools) else {
@@ -291,8 +295,8 @@ impl Serving {
             if prefix.is_empty() || !text.starts_with(&prefix) {
                 continue;
             }
-            if let Some(n) = tokens_before(&spans, prefix.len())
-                && n < ids.len()
+            if let Some(n) = tokens_before(spans, prefix.len())
+                && n < spans.len()
             {
                 found.push(n);
             }
@@ -869,7 +873,7 @@ impl Worker for WorkerService {
 
 /// The number of tokens before byte `at` of the text, if no token straddles it (bytes no token
 /// covers, such as whitespace a tokenizer drops, may lie on either side).
-fn tokens_before(spans: &[(usize, usize)], at: usize) -> Option<usize> {
+fn tokens_before(spans: &[Span], at: usize) -> Option<usize> {
     let n = spans.partition_point(|&(_, end)| end <= at);
     let clean = spans.get(n).is_none_or(|&(start, _)| start >= at);
     (n > 0 && clean).then_some(n)
