@@ -190,6 +190,11 @@ pub struct ModelConfig {
     /// [default: 256MiB].
     #[serde(default)]
     pub l0_bytes: Option<String>,
+    /// Memory for finished sequences' live KV caches, which the next prompt sharing their
+    /// start resumes from in place, e.g. "4GiB"; "0" turns parking off [default: the
+    /// worker's, 1 GiB on a CPU and 8 GiB on a GPU].
+    #[serde(default)]
+    pub parked_bytes: Option<String>,
     /// Tokens per prefill pass [default: the device's, 256 on the CPU and 4096 on a GPU].
     #[serde(default)]
     pub prefill_chunk_tokens: Option<usize>,
@@ -219,6 +224,7 @@ impl ModelConfig {
             draft_tokens: None,
             kv_cache_bits: None,
             l0_bytes: None,
+            parked_bytes: None,
             prefill_chunk_tokens: None,
             preload: false,
             idle_ttl_secs: None,

@@ -773,6 +773,11 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
                     .flat_map(|b| ["--l0-bytes".to_string(), b.clone()]),
             )
             .chain(
+                m.parked_bytes
+                    .iter()
+                    .flat_map(|b| ["--parked-bytes".to_string(), b.clone()]),
+            )
+            .chain(
                 m.prefill_chunk_tokens
                     .iter()
                     .flat_map(|n| ["--prefill-chunk-tokens".to_string(), n.to_string()]),
@@ -898,7 +903,8 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
 /// when one is set (the worker never grows past it), else an estimate from its weight files:
 /// a GGUF's quantised weights are expanded to f32 on the CPU (about 6x; SmolLM2's 98 MB
 /// Q4_1 file holds ~600 MB resident), safetensors are loaded about as stored; plus the
-/// worker's L0 for an LLM (`l0_bytes`, 256 MiB by default).
+/// worker's L0 for an LLM (`l0_bytes`, 256 MiB by default) and its parked KV caches
+/// (`parked_bytes`; 1 GiB by default, the worker's own default on a CPU).
 fn memory_estimate(m: &ModelConfig, default_budget: Option<&str>) -> anyhow::Result<u64> {
     if let Some(b) = m.memory_budget.as_deref().or(default_budget) {
         return parse_size::parse_size(b)
@@ -930,7 +936,13 @@ fn memory_estimate(m: &ModelConfig, default_budget: Option<&str>) -> anyhow::Res
         }
         (_, None) => 256 << 20,
     };
-    Ok(weights + l0 + (64 << 20))
+    let parked = match (&m.kind, &m.parked_bytes) {
+        (ModelKind::Embedding, _) => 0,
+        (_, Some(b)) => parse_size::parse_size(b)
+            .with_context(|| format!("model {}: parked_bytes {b:?}", m.id))?,
+        (_, None) => 1 << 30,
+    };
+    Ok(weights + l0 + parked + (64 << 20))
 }
 
 /// Logs each child's progress until all are ready once (models take a while to load).

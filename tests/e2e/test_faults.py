@@ -370,7 +370,8 @@ def test_blocks_still_on_their_way_to_the_cache_service_serve_the_next_prompt(
     # a prompt was computed again whole.
     port = pick_port()
     text = one_model_config(tmp_path, port, MODEL, default_model,
-                            model='l0_bytes = "0"\nprefill_chunk_tokens = 512')
+                            model='l0_bytes = "0"\nparked_bytes = "0"\n'
+                                  'prefill_chunk_tokens = 512')
     ask = messages("Name the parties in one line.")
     env = dict(os.environ, STRATA_TEST_STORE_DELAY_MS="6000")
     with config_cluster(bin_dir, tmp_path, port, text, env=env) as c:
@@ -397,6 +398,8 @@ def test_blocks_still_on_their_way_to_the_cache_service_serve_the_next_prompt(
         assert features["prefill_chunks"].startswith("512 tokens per pass on the cpu"), features
         assert "L0 off" in features["prefix_cache"], features
         assert features["kv_readback"].startswith("direct read"), features
+        # Parking off: the first request's live KV did not serve the second.
+        assert features["parked_kv"].startswith("off (parked_bytes is 0"), features
 
 
 def test_a_trickled_body_and_a_client_that_stops_reading_are_cut_and_stall_nothing(

@@ -212,8 +212,52 @@ def test_generated_tokens_are_not_cached_when_turned_off_or_exact(bin_dir, defau
         tmp = tmp_path / name
         tmp.mkdir()
         with running_cluster(bin_dir, default_model, tmp, *extra) as c:
-            # Only the first prompt's body (249 tokens, a partial block) is reused.
-            assert two_turns(c, "decode-kv-off") == 249, extra
+            # No answer rows are reused. Exact: the first prompt's body (249 tokens, a partial
+            # block). Off: its parked cache gives the whole first prompt, its last token too.
+            parked = worker(c)["stats"]["features"]["parked_kv"]
+            if name == "exact":
+                assert two_turns(c, "decode-kv-off") == 249, extra
+                assert parked.startswith("off (block-granular"), parked
+            else:
+                assert two_turns(c, "decode-kv-off") == 250, extra
+                assert parked.startswith("on"), parked
+
+
+def worker(cluster):
+    workers = {w["name"]: w for w in admin(cluster, "/admin/api/workers")["workers"]}
+    return workers[f"worker-{MODEL}"]
+
+
+def test_the_next_turn_resumes_in_place_from_the_previous_turns_live_kv(cluster):
+    """A finished request's KV cache stays in the worker (parked): the next turn, which resends
+    the conversation with a new question, resumes from it in place instead of importing
+    blocks, and equals a cold run within rounding."""
+    before = worker(cluster)["stats"]["prefix_cache"]
+    salt = "parked"
+    ids = base_ids(4)[:600]
+    _, _, usage = run_ids(cluster, ids, salt)
+    assert usage.prompt_tokens_details.cached_tokens == 0
+    parked = worker(cluster)["stats"]["prefix_cache"]
+    assert parked["parked_caches"] >= 1 and parked["parked_bytes"] > 0, parked
+    # The conversation so far (its answer as token ids) and a new question.
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="x", max_retries=0)
+    r = client.completions.create(
+        model=MODEL, prompt=ids, temperature=0, max_tokens=16, logprobs=1,
+        extra_body={"cache_salt": salt, "ignore_eos": True,
+                    "return_tokens_as_token_ids": True})
+    answer = [int(t.removeprefix("token_id:")) for t in r.choices[0].logprobs.tokens]
+    nxt = ids + answer + [6000 + i for i in range(40)]
+    warm = run_ids(cluster, nxt, salt)
+    # Every token whose KV the previous request computed: its prompt and answer but the
+    # answer's last token (never fed).
+    held = len(ids) + len(answer) - 1
+    assert warm[2].prompt_tokens_details.cached_tokens == held, warm[2]
+    assert tiers(warm[2]) == (held, 0, 0)
+    same_as_cold(cluster, warm, nxt, "parked")
+    after = worker(cluster)["stats"]["prefix_cache"]
+    assert after["parked_resumes"] >= before["parked_resumes"] + 2, after
+    assert after["parked_resumed_tokens"] >= before["parked_resumed_tokens"] + held, after
+    assert worker(cluster)["stats"]["features"]["parked_kv"].startswith("on (up to 1024 MiB")
 
 
 def test_two_models_never_share_blocks(bin_dir, default_model, tmp_path):

@@ -108,6 +108,12 @@ async fn workers(State(state): State<AppState>) -> Json<Value> {
                         "fetches_skipped_by_cost": p.fetches_skipped_by_cost,
                         "fetch_bytes_per_sec": p.fetch_bytes_per_sec,
                         "prefill_tokens_per_sec": p.prefill_tokens_per_sec,
+                        "parked_caches": p.parked_caches,
+                        "parked_bytes": p.parked_bytes,
+                        "parked_resumes": p.parked_resumes,
+                        "parked_resumed_tokens": p.parked_resumed_tokens,
+                        "parked_evicted": p.parked_evicted,
+                        "parked_refused": p.parked_refused,
                     })),
                 });
             }

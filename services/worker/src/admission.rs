@@ -212,6 +212,26 @@ impl Admission {
         }
     }
 
+    /// A budget of `budget_bytes` for reservations of bytes alone (other modules' tests).
+    #[cfg(test)]
+    pub(crate) fn of_bytes_for_tests(budget_bytes: u64) -> Self {
+        Self {
+            reserved: Default::default(),
+            budget_bytes,
+            baseline_bytes: 0,
+            kv_bytes_per_token: 1,
+            kv_step_tokens: 1,
+            prefill_chunk_tokens: 1,
+            heads: 1,
+            hidden: 1,
+            intermediate: 1,
+            vocab: 1,
+            recurrent_state_bytes: 0,
+            snapshot_every_tokens: 0,
+            skipped: false,
+        }
+    }
+
     pub fn reserved_bytes(&self) -> u64 {
         self.reserved.load(std::sync::atomic::Ordering::Acquire)
     }

@@ -15,7 +15,7 @@ use strata_worker::engine::speculative::Draft;
 use strata_worker::engine::{DtypePolicy, policy};
 use strata_worker::grpc::{EmbeddingServing, ModelInfo, Served, Serving, WorkerService};
 use strata_worker::kv_quant::KvQuant;
-use strata_worker::prefix_cache::{PrefixCache, Reuse};
+use strata_worker::prefix_cache::{Parking, PrefixCache, Reuse};
 use strata_worker::scheduler::Scheduler;
 use strata_worker::template::ChatMessage;
 use strata_worker::{blas_env, mlx_device};
@@ -68,6 +68,10 @@ enum Command {
         /// L0: bytes of recent KV blocks this worker keeps itself (0 turns it off).
         #[arg(long, default_value = "256MiB", value_parser = parse_bytes)]
         l0_bytes: u64,
+        /// Bytes of finished sequences' live KV caches kept for the next prompt that shares
+        /// their start (0 turns parking off; default 8 GiB on a GPU, 1 GiB on a CPU).
+        #[arg(long, value_parser = parse_bytes)]
+        parked_bytes: Option<u64>,
         /// Memory this worker may use in all (model, L0, KV caches, activations); requests
         /// that would not fit are refused [default: 80% of physical memory].
         #[arg(long, value_parser = parse_bytes)]
@@ -409,6 +413,7 @@ fn main() -> anyhow::Result<()> {
             max_batch,
             kvcache_socket,
             l0_bytes,
+            parked_bytes,
             memory_budget,
             store_decode_kv,
             cache_exact,
@@ -532,6 +537,30 @@ fn main() -> anyhow::Result<()> {
                     }
                 };
                 s.features.push(("prefix_cache".into(), prefix_feature));
+                // Parked caches are cut back to any prefix: not with cache.exact (block
+                // ends only), a recurrent state or sliding windows.
+                let parked_bytes = parked_bytes.unwrap_or(
+                    strata_worker::engine::policy::default_parked_bytes(&info.device),
+                );
+                let parking = (reuse == Reuse::CommonPrefix
+                    && s.kv_layout.window.is_none()
+                    && parked_bytes > 0
+                    && (kvcache_socket.is_some() || l0_bytes > 0))
+                    .then(|| Parking::new(parked_bytes, Some(s.admission.clone())));
+                s.features.push((
+                    "parked_kv".into(),
+                    match &parking {
+                        Some(_) => format!(
+                            "on (up to {} MiB of finished sequences' live KV caches, resumed in place by the next prompt that shares their start)",
+                            parked_bytes >> 20
+                        ),
+                        None if reuse != Reuse::CommonPrefix => format!("off ({})", reuse.describe()),
+                        None if s.kv_layout.window.is_some() => {
+                            "off (sliding-window layers drop rows a shorter prefix would need)".into()
+                        }
+                        None => "off (parked_bytes is 0 or the prefix cache is off)".into(),
+                    },
+                ));
                 s.features.push((
                     "kv_quantization".into(),
                     match kv_quant {
@@ -558,6 +587,9 @@ fn main() -> anyhow::Result<()> {
                         s.kv_layout,
                         kv_quant,
                     ).with_reuse(reuse));
+                    if let Some(p) = parking {
+                        s.prefix_cache = s.prefix_cache.take().map(|pc| pc.with_parking(p));
+                    }
                 }
                 s
             });

@@ -133,6 +133,7 @@ fn generate_with(
             Prefix {
                 cached,
                 on_block: Some(&mut sink),
+                resume: None,
             },
             |_| true,
         )

@@ -102,6 +102,7 @@ fn every_gguf_block_type_loads_and_matches_the_numpy_reference() {
                 Prefix {
                     cached: &[],
                     on_block: Some(&mut sink),
+                    resume: None,
                 },
                 |_| true,
             )
@@ -122,6 +123,7 @@ fn every_gguf_block_type_loads_and_matches_the_numpy_reference() {
                     Prefix {
                         cached: &cached,
                         on_block: None,
+                        resume: None,
                     },
                     |_| true,
                 )

@@ -7,7 +7,7 @@ mod common;
 use strata_worker::engine::DtypePolicy;
 use strata_worker::engine::generate::{EngineOptions, GenerateRequest, Generation, Prefix};
 use strata_worker::engine::loader::{self, LoadedModel};
-use strata_worker::engine::sequence::{CachedKv, FinishedBlock};
+use strata_worker::engine::sequence::{CachedKv, FinishedBlock, Resume};
 
 const BLOCK: usize = 256;
 
@@ -48,6 +48,7 @@ fn run(
             Prefix {
                 cached,
                 on_block: Some(&mut sink),
+                resume: None,
             },
             |_| true,
         )
@@ -170,4 +171,112 @@ fn blocks_of_generated_tokens_are_stored_only_when_opted_in() {
         blocks[1].bytes.len(),
         BLOCK * m.model.kv_layout().bytes_per_token()
     );
+}
+
+/// A chat's next turn resumed from the previous turn's parked cache (its live KV: prompt and
+/// answer, nothing copied): the greedy tokens of a cold run of the new prompt, each token's
+/// log-probability within 1e-3 of the cold run's, and the whole blocks the first turn did not
+/// store (those holding its answer) are handed to the cache by the second.
+///
+/// Why 1e-3: the resumed rows of the answer were computed one token at a time (decode) and the
+/// new tokens in a chunk of another shape than the cold run's, so the sums round differently;
+/// in f32 on a CPU such differences in SmolLM2's logits measure around 1e-5 (host vs MLX passes,
+/// tests/family_parity.rs), and a log-probability moves by at most twice a logit's change.
+#[test]
+fn the_next_turn_resumes_from_the_parked_cache_of_the_previous_one() {
+    let m = model();
+    let options = EngineOptions::default();
+    let first = prompt(&m, BLOCK + 200);
+    let mut req = GenerateRequest::greedy(first.clone(), 80);
+    req.ignore_eos = true;
+    let mut stored = Vec::new();
+    let mut sink = |b: FinishedBlock| stored.push(b);
+    let (turn1, parked) = m
+        .generate_parking(
+            &req,
+            &options,
+            Prefix {
+                cached: &[],
+                on_block: Some(&mut sink),
+                resume: None,
+            },
+            |_| true,
+        )
+        .unwrap();
+    let parked = parked.expect("a llama-family cache parks");
+    // Every token whose KV was computed: the prompt and the answer but its last token.
+    let held = first.len() + turn1.tokens.len() - 1;
+    assert_eq!(parked.tokens.len(), held);
+    assert_eq!(parked.tokens[..first.len()], first[..]);
+    assert_eq!(parked.stored_blocks, 1, "the prompt's one whole block");
+    assert!(parked.bytes() as usize >= held * m.model.kv_layout().bytes_per_token());
+
+    // The next turn: the whole conversation so far, then a new question.
+    let mut next: Vec<u32> = first.iter().chain(&turn1.tokens).copied().collect();
+    next.extend(prompt(&m, 40));
+    let mut req2 = GenerateRequest::greedy(next.clone(), 16);
+    req2.ignore_eos = true;
+    req2.sampling.logprobs = Some(0);
+    let (cold, _) = run(&m, &req2, &options, &[]);
+    let mut handed = Vec::new();
+    let mut sink = |b: FinishedBlock| handed.push(b);
+    let resume = Resume {
+        tokens: held,
+        parked,
+    };
+    let warm = m
+        .generate_with_prefix(
+            &req2,
+            &options,
+            Prefix {
+                cached: &[],
+                on_block: Some(&mut sink),
+                resume: Some(resume),
+            },
+            |_| true,
+        )
+        .unwrap();
+    assert_eq!(warm.cached_tokens, held);
+    assert_eq!(warm.tokens, cold.tokens);
+    for (i, (w, c)) in warm.logprobs.iter().zip(&cold.logprobs).enumerate() {
+        let (w, c) = (w.logprob.unwrap(), c.logprob.unwrap());
+        assert!(
+            (w - c).abs() < 1e-3,
+            "token {i}: logprob {w} resumed, {c} cold"
+        );
+    }
+    // Blocks 1 and 2 (the answer and the new question) go to the cache; block 0 was stored.
+    let whole: Vec<usize> = handed
+        .iter()
+        .filter(|b| b.tokens.len() == BLOCK)
+        .map(|b| b.index)
+        .collect();
+    assert_eq!(whole, (1..(next.len() - 1) / BLOCK).collect::<Vec<_>>());
+    assert_eq!(handed[0].tokens, next[BLOCK..2 * BLOCK]);
+
+    // The same prompt resumed from a cache cut back to a shorter prefix (another question
+    // after the first turn's prompt): still the cold run's tokens.
+    let (_, parked) = m
+        .generate_parking(&req, &options, Prefix::default(), |_| true)
+        .unwrap();
+    let mut other = first.clone();
+    other.extend(prompt(&m, 30));
+    let req3 = GenerateRequest::greedy(other, 8);
+    let (cold3, _) = run(&m, &req3, &options, &[]);
+    let (warm3, _) = m
+        .generate_parking(
+            &req3,
+            &options,
+            Prefix {
+                resume: Some(Resume {
+                    tokens: first.len(),
+                    parked: parked.unwrap(),
+                }),
+                ..Prefix::default()
+            },
+            |_| true,
+        )
+        .unwrap();
+    assert_eq!(warm3.cached_tokens, first.len());
+    assert_eq!(warm3.tokens, cold3.tokens);
 }

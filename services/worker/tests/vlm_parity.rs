@@ -247,6 +247,7 @@ fn served_vlm_generation_matches_mlx_vlm_and_keys_blocks_by_image() {
                 Prefix {
                     cached: &[],
                     on_block: Some(&mut sink),
+                    resume: None,
                 },
                 |_| true,
             )
@@ -280,6 +281,7 @@ fn served_vlm_generation_matches_mlx_vlm_and_keys_blocks_by_image() {
                 Prefix {
                     cached: &cached,
                     on_block: None,
+                    resume: None,
                 },
                 |_| true,
             )

@@ -9,7 +9,7 @@ use super::llama::SeqChunk;
 use super::loader::LoadedModel;
 use super::multimodal::PromptImage;
 use super::sample::{Sampled, SamplingParams};
-use super::sequence::{CachedKv, FinishedBlock, Sequence, decode_step};
+use super::sequence::{CachedKv, FinishedBlock, ParkedKv, Resume, Sequence, decode_step};
 use super::{EngineError, Result};
 
 /// Prefill this many tokens per forward pass by default (rounded down to whole blocks).
@@ -146,6 +146,8 @@ pub struct Generation {
 pub struct Prefix<'a> {
     pub cached: &'a [CachedKv<'a>],
     pub on_block: Option<&'a mut (dyn FnMut(FinishedBlock) + Send)>,
+    /// A parked cache to resume from instead of `cached` (see `ParkedKv`).
+    pub resume: Option<Resume>,
 }
 
 /// Options of the engine itself (not of one request).
@@ -276,9 +278,22 @@ impl LoadedModel {
         req: &GenerateRequest,
         options: &EngineOptions,
         prefix: Prefix<'_>,
-        mut on_token: impl FnMut(&TokenEvent) -> bool,
+        on_token: impl FnMut(&TokenEvent) -> bool,
     ) -> Result<Generation> {
-        let mut seq = Sequence::new(self, req.clone(), options, prefix.cached)?;
+        self.generate_parking(req, options, prefix, on_token)
+            .map(|(g, _)| g)
+    }
+
+    /// `generate_with_prefix`, also giving back the sequence's KV cache to park (see
+    /// `Sequence::into_parts`).
+    pub fn generate_parking(
+        &self,
+        req: &GenerateRequest,
+        options: &EngineOptions,
+        prefix: Prefix<'_>,
+        mut on_token: impl FnMut(&TokenEvent) -> bool,
+    ) -> Result<(Generation, Option<ParkedKv>)> {
+        let mut seq = Sequence::new(self, req.clone(), options, prefix.cached, prefix.resume)?;
         let mut on_block = prefix.on_block;
         while seq.needs_prefill() {
             seq.prefill_step(
@@ -303,7 +318,7 @@ impl LoadedModel {
                 .as_mut()
                 .map(|f| &mut **f as &mut (dyn FnMut(FinishedBlock) + Send)),
         )?;
-        seq.into_generation()
+        seq.into_parts()
     }
 }
 

@@ -89,6 +89,19 @@ pub fn default_prefill_chunk_tokens(device_kind: &str) -> usize {
     if device_kind == "gpu" { 4096 } else { 256 }
 }
 
+/// How much memory finished sequences' live KV caches may keep by default
+/// (`prefix_cache::Parking`). A GPU has room for several long contexts (a 64K-token prompt of
+/// a 1.5B model is 1.8 GB in f16) and gains most: its cache hits otherwise copy host bytes
+/// onto the device. On a CPU a 4K-token SmolLM2 cache is ~190 MB of f32; 1 GiB keeps a few
+/// conversations. Parked caches give way to requests either way.
+pub fn default_parked_bytes(device_kind: &str) -> u64 {
+    if device_kind == "gpu" {
+        8 << 30
+    } else {
+        1 << 30
+    }
+}
+
 /// Bytes per element of the dtypes we store.
 pub fn dtype_bytes(dtype: Dtype) -> usize {
     match dtype {

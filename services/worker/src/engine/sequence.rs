@@ -42,6 +42,33 @@ pub struct CachedKv<'a> {
     pub tokens: usize,
 }
 
+/// A finished sequence's live KV cache, kept where it was computed (device memory on a GPU)
+/// so that the next prompt sharing its start resumes from it without a copy: `tokens` are
+/// the ids whose KV it holds (prompt, then generated tokens fed back), `stored_blocks` the
+/// whole blocks of them already handed to the prefix cache.
+pub struct ParkedKv {
+    pub tokens: Vec<u32>,
+    pub cache: KvCache,
+    pub stored_blocks: usize,
+}
+
+/// A parked cache taken by a new sequence: its first `tokens` rows (the common prefix with
+/// the new prompt, short of the prompt's last token) are kept, the rest forgotten.
+pub struct Resume {
+    pub parked: ParkedKv,
+    pub tokens: usize,
+}
+
+impl ParkedKv {
+    /// Bytes the cache's buffers hold (what parking it keeps from the memory budget).
+    pub fn bytes(&self) -> u64 {
+        // Rows are counted per layer; a token's bytes cover K and V of every layer.
+        let l = self.cache.layout();
+        let per_layer_row = l.bytes_per_token() / l.num_layers.max(1);
+        (self.cache.rows_allocated() * per_layer_row) as u64
+    }
+}
+
 pub struct Sequence {
     req: GenerateRequest,
     /// The ids the KV cache knows the prompt by (image positions carry the image's hash).
@@ -99,6 +126,7 @@ impl Sequence {
         req: GenerateRequest,
         options: &EngineOptions,
         cached: &[CachedKv<'_>],
+        resume: Option<Resume>,
     ) -> Result<Self> {
         model.validate(&req)?;
         let cache_tokens = match &model.vision {
@@ -172,7 +200,33 @@ impl Sequence {
             covered += kv.tokens;
         }
         let mut imported = covered;
-        if let Err(e) = cache.import_all(&usable) {
+        let mut stored_blocks = covered / block;
+        let resume = resume.filter(|r| {
+            prune.is_none()
+                && r.tokens > 0
+                && r.tokens <= body
+                && parkable(&r.parked.cache)
+                && r.parked.tokens.get(..r.tokens) == cache_tokens.get(..r.tokens)
+        });
+        let mut resumed = false;
+        if let Some(r) = resume {
+            // The parked cache's first rows are this prompt's KV (same model, same token
+            // ids at the same positions): keep them, forget the rest. Its whole blocks not yet
+            // stored (those of its answer) go to the cache with this prompt's first pass.
+            let mut parked = r.parked.cache;
+            match parked.truncate(r.tokens) {
+                Ok(()) => {
+                    cache = parked;
+                    imported = r.tokens;
+                    stored_blocks = r.parked.stored_blocks.min(r.tokens / block);
+                    resumed = true;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "a parked KV cache could not be cut back; computing the prompt");
+                }
+            }
+        }
+        if !resumed && let Err(e) = cache.import_all(&usable) {
             tracing::warn!(error = %e, "cached KV does not fit this model; computing the prompt");
             notices.push(Notice {
                 feature: "prefix_cache".into(),
@@ -182,6 +236,7 @@ impl Sequence {
             });
             cache = fresh_cache();
             imported = 0;
+            stored_blocks = 0;
         }
         let spec = match (speculative::plan(model, &req), &model.draft) {
             (Plan::On, Some(draft)) => Some(Speculation::new(draft, options.kv_step_tokens)),
@@ -206,7 +261,7 @@ impl Sequence {
             message_ends,
             prefilled: imported,
             cached_tokens: imported,
-            stored_blocks: imported / block,
+            stored_blocks,
             store_decode: options.store_decode_kv,
             tokens: Vec::new(),
             logprobs: Vec::new(),
@@ -718,6 +773,41 @@ impl Sequence {
 
     /// The finished generation.
     pub fn into_generation(self) -> Result<Generation> {
+        self.into_parts().map(|(g, _)| g)
+    }
+
+    /// The finished generation, and the sequence's KV cache to park for the next prompt
+    /// that shares its start, where it can be resumed (see `parkable`).
+    pub fn into_parts(mut self) -> Result<(Generation, Option<ParkedKv>)> {
+        let parked = (self.kept.is_none() && parkable(&self.cache) && !self.cache.is_empty())
+            .then(|| {
+                // Answer rows are resumed only where blocks of generated tokens are cached
+                // too (`store_decode_kv`): turned off, a later prompt computes them.
+                let held = if self.store_decode {
+                    self.cache.len()
+                } else {
+                    self.cache.len().min(self.cache_tokens.len())
+                };
+                let tokens: Vec<u32> = self
+                    .cache_tokens
+                    .iter()
+                    .chain(self.tokens.iter())
+                    .copied()
+                    .take(held)
+                    .collect();
+                let layout = self.cache.layout();
+                let cache = std::mem::replace(&mut self.cache, KvCache::new(layout, 1));
+                (tokens.len() == held).then_some(ParkedKv {
+                    tokens,
+                    cache,
+                    stored_blocks: self.stored_blocks,
+                })
+            })
+            .flatten();
+        self.into_generation_only().map(|g| (g, parked))
+    }
+
+    fn into_generation_only(self) -> Result<Generation> {
         let finish = self
             .finish
             .ok_or_else(|| EngineError::Config("generation taken before it finished".into()))?;
@@ -758,6 +848,14 @@ impl Sequence {
             cached_tokens: self.cached_tokens,
         })
     }
+}
+
+/// Whether a cache can be parked and later cut back to any shorter prefix: not a hybrid
+/// model's (a recurrent state resumes only at its snapshots), not one whose sliding-window
+/// layers may have dropped rows, not one holding pruned positions.
+fn parkable(cache: &KvCache) -> bool {
+    let l = cache.layout();
+    l.recurrent.is_none() && l.window.is_none() && cache.position() == cache.len()
 }
 
 /// The grammar engine failing mid-answer is the constraint's fault (a request's), not the

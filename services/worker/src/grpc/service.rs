@@ -555,27 +555,32 @@ impl Worker for WorkerService {
         // Refuse what the engine would refuse, and what would not fit in memory, before
         // queueing it.
         validate(&serving, &request)?;
-        let reservation = serving
-            .admission
-            .reserve(request.prompt.len(), request.max_tokens)
-            .map_err(|e| {
-                tracing::warn!(request_id, "refused: {e}");
-                match e {
-                    crate::admission::Refusal::Busy { .. } => {
-                        Status::resource_exhausted(e.to_string())
-                    }
-                    _ => Status::failed_precondition(e.to_string()),
-                }
-            })?;
+        let view = serving.prefix_cache.as_ref().map(|pc| pc.for_tenant(&salt));
+        let reserve = || {
+            serving
+                .admission
+                .reserve(request.prompt.len(), request.max_tokens)
+        };
+        let reservation = match reserve() {
+            // Parked caches hold memory only while no request needs it.
+            Err(crate::admission::Refusal::Busy { .. })
+                if view.as_ref().is_some_and(|v| v.make_room_for(&key_tokens)) =>
+            {
+                reserve()
+            }
+            r => r,
+        }
+        .map_err(|e| {
+            tracing::warn!(request_id, "refused: {e}");
+            match e {
+                crate::admission::Refusal::Busy { .. } => Status::resource_exhausted(e.to_string()),
+                _ => Status::failed_precondition(e.to_string()),
+            }
+        })?;
         // A pruned prompt's KV is not the prompt's KV: it neither reads nor feeds the cache.
-        let prepared = match &serving.prefix_cache {
+        let prepared = match view {
             Some(_) if request.prune_keep_ratio.is_some() => None,
-            Some(pc) => Some(
-                pc.for_tenant(&salt)
-                    .prepare(&key_tokens)
-                    .instrument(span.clone())
-                    .await,
-            ),
+            Some(pc) => Some(pc.prepare(&key_tokens).instrument(span.clone()).await),
             None => None,
         };
         let tiers = prepared.as_ref().map(|p| p.tiers).unwrap_or_default();

@@ -8,6 +8,7 @@
 
 mod cost;
 mod l0;
+mod parking;
 mod remote;
 
 use std::path::Path;
@@ -22,10 +23,11 @@ use strata_proto::kvcache::{Block, LookupRequest, Tier};
 use tokio::sync::mpsc;
 
 use crate::engine::kv::KvLayout;
-use crate::engine::sequence::FinishedBlock;
+use crate::engine::sequence::{FinishedBlock, Resume};
 use crate::kv_quant::{self, KvQuant};
 pub use cost::CostModel;
 use l0::L0;
+pub use parking::{ParkFn, Parking, ParkingStats};
 use remote::{store_loop, tier_name};
 
 /// How long a lookup may take before the prompt is computed instead.
@@ -133,6 +135,9 @@ pub struct PrefixCache {
     pub stats: Arc<PrefixStats>,
     cost: Arc<Mutex<CostModel>>,
     reuse: Reuse,
+    /// Finished sequences' live KV caches, resumed before any block is fetched (see
+    /// `parking`). None in `cache.exact` and for models whose caches cannot be cut back.
+    parking: Option<Parking>,
 }
 
 /// Payloads of blocks on their way to the cache service, by key.
@@ -145,6 +150,10 @@ pub type BlockSinkFn = Box<dyn FnMut(FinishedBlock) + Send>;
 /// to use), whole blocks then maybe the leading rows of one more, and where to send new blocks.
 pub struct Prepared {
     pub cached: Vec<(Bytes, usize)>,
+    /// A parked cache to resume from instead (then `cached` is empty).
+    pub resume: Option<Resume>,
+    /// Where the sequence's cache goes when it ends.
+    pub park: Option<ParkFn>,
     /// Where the cached tokens came from.
     pub tiers: Tiers,
     pub sink: BlockSinkFn,
@@ -209,7 +218,27 @@ impl PrefixCache {
             stats,
             cost: Arc::new(Mutex::new(CostModel::default())),
             reuse: Reuse::CommonPrefix,
+            parking: None,
         }
+    }
+
+    /// The same cache, parking finished sequences' live KV caches in `parking`.
+    pub fn with_parking(mut self, parking: Parking) -> Self {
+        self.parking = Some(parking);
+        self
+    }
+
+    pub fn parking(&self) -> Option<&Parking> {
+        self.parking.as_ref()
+    }
+
+    /// A request for `prompt` found the worker's memory taken: parked caches give it back,
+    /// but for the one the prompt would resume from. Returns whether any was released.
+    pub fn make_room_for(&self, prompt: &[u32]) -> bool {
+        let body = prompt.len().saturating_sub(1);
+        self.parking
+            .as_ref()
+            .is_some_and(|p| p.make_room(&self.namespace, &prompt[..body]))
     }
 
     /// Waits until every block handed to the store task has been answered by the cache
@@ -251,6 +280,24 @@ impl PrefixCache {
             fetches_skipped_by_cost: get(&s.fetches_skipped_by_cost),
             fetch_bytes_per_sec: cost.fetch_bytes_per_sec.unwrap_or(0.0),
             prefill_tokens_per_sec: cost.prefill_tokens_per_sec.unwrap_or(0.0),
+            ..self.parking_stats()
+        }
+    }
+
+    fn parking_stats(&self) -> strata_proto::worker::PrefixCacheStats {
+        let Some(p) = &self.parking else {
+            return Default::default();
+        };
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let (caches, bytes) = p.held();
+        strata_proto::worker::PrefixCacheStats {
+            parked_caches: caches as u64,
+            parked_bytes: bytes,
+            parked_resumes: get(&p.stats.resumed),
+            parked_resumed_tokens: get(&p.stats.resumed_tokens),
+            parked_evicted: get(&p.stats.evicted),
+            parked_refused: get(&p.stats.refused),
+            ..Default::default()
         }
     }
 
@@ -302,6 +349,11 @@ impl PrefixCache {
         let mut cached = Vec::new();
         let mut tiers = Tiers::default();
         let mut l0_next = None;
+        // A parked cache holding this much of the prompt needs no block below it.
+        let parked = self
+            .parking
+            .as_ref()
+            .map_or(0, |p| p.peek(&self.namespace, &prompt[..body]));
         {
             let mut l0 = lock(&self.l0);
             for k in &keys[..reusable] {
@@ -320,7 +372,9 @@ impl PrefixCache {
         tiers.l0 = cached.len() * b;
         let in_l0 = cached.len();
         let l0_rows = l0_next.as_ref().map_or(0, |c| c.rows);
-        let remote = self.fetch(prompt, &keys[..reusable], in_l0, l0_rows).await;
+        let remote = self
+            .fetch(prompt, &keys[..reusable], in_l0, l0_rows, parked)
+            .await;
         let notice = remote.notice.clone();
         let mut l0 = lock(&self.l0);
         for (i, (bytes, tier)) in remote.blocks.into_iter().enumerate() {
@@ -360,12 +414,42 @@ impl PrefixCache {
             _ => {}
         }
         drop(l0);
+        // The parked cache, if it holds at least what the blocks give: resumed in place,
+        // nothing imported.
+        let from_blocks: usize = cached.iter().map(|(_, t)| t).sum();
+        let resume = match &self.parking {
+            Some(p) if parked > 0 && parked >= from_blocks => {
+                p.take(&self.namespace, &prompt[..body], from_blocks.max(1))
+            }
+            _ => None,
+        };
+        if let Some(r) = &resume {
+            tracing::debug!(
+                tokens = r.tokens,
+                from_blocks,
+                "resuming from a parked KV cache"
+            );
+            cached.clear();
+            tiers = Tiers {
+                l0: r.tokens,
+                ..Tiers::default()
+            };
+        }
         Prepared {
             cached: self.expand(cached),
+            resume,
+            park: self.parker(),
             tiers,
             sink: self.sink(prompt, keys),
             notice,
         }
+    }
+
+    /// Where a sequence of this namespace parks its cache when it ends.
+    fn parker(&self) -> Option<ParkFn> {
+        let parking = self.parking.clone()?;
+        let namespace = self.namespace.clone();
+        Some(Box::new(move |kv| parking.park(namespace, kv)))
     }
 
     /// Cached payloads as the engine imports them: quantised ones decoded to the live dtype.
@@ -472,14 +556,18 @@ impl PrefixCache {
         })
     }
 
-    /// Where each full block of `prompt` is now: "l0", "l1", "l2" or "none" (one lookup per
-    /// block not in L0, so blocks past a gap are reported too); and the block a request would
-    /// continue from after the body's full blocks (tier, tokens), if all of them are cached.
-    /// Drops every block of L0 (shared by all tenant views); returns how many.
+    /// Drops every block of L0 (shared by all tenant views) and every parked cache; returns
+    /// how many blocks went.
     pub fn clear_l0(&self) -> u64 {
+        if let Some(p) = &self.parking {
+            p.clear();
+        }
         lock(&self.l0).clear()
     }
 
+    /// Where each full block of `prompt` is now: "l0", "l1", "l2" or "none" (one lookup per
+    /// block not in L0, so blocks past a gap are reported too); and the block a request would
+    /// continue from after the body's full blocks (tier, tokens), if all of them are cached.
     pub async fn probe(
         &self,
         prompt: &[u32],

@@ -19,13 +19,15 @@ impl PrefixCache {
     /// next held blocks, then maybe the block continuing them (by the reuse rule), each with
     /// its tier. One Lookup over the whole chain (so the service can match under the last
     /// block), then one streamed Fetch of what is missing, unless the cost model says
-    /// recomputing it is faster. `have_rows`: the rows L0's own continuation gives.
+    /// recomputing it is faster. `have_rows`: the rows L0's own continuation gives;
+    /// `parked`: the tokens a parked cache holds (nothing is fetched that gives no more).
     pub(super) async fn fetch(
         &self,
         prompt: &[u32],
         keys: &[BlockKey],
         have: usize,
         have_rows: usize,
+        parked: usize,
     ) -> Remote {
         let mut out = Remote::default();
         let Some(client) = &self.client else {
@@ -94,6 +96,10 @@ impl PrefixCache {
             tiers.push(Tier::try_from(tier).unwrap_or(Tier::Ram));
         }
         if wanted.is_empty() {
+            return out;
+        }
+        if held * b + next.map_or(0, |_| rows) <= parked {
+            // A parked cache holds as much: resuming from it moves nothing.
             return out;
         }
         let tokens = (held - have) * b + next.map_or(0, |_| rows);

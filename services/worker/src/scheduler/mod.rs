@@ -25,7 +25,7 @@ use tokio::sync::mpsc;
 use crate::engine::EngineError;
 use crate::engine::generate::{EngineOptions, GenerateRequest, Generation, TokenEvent};
 use crate::engine::sequence::{CachedKv, FinishedBlock};
-use crate::prefix_cache::{BlockSinkFn, Prepared};
+use crate::prefix_cache::{BlockSinkFn, ParkFn, Prepared};
 
 mod model;
 #[cfg(test)]
@@ -211,6 +211,8 @@ struct Active<S> {
     seq: S,
     events: mpsc::UnboundedSender<JobEvent>,
     sink: Option<BlockSinkFn>,
+    /// Where its KV cache goes when it ends (see `prefix_cache::Parking`).
+    park: Option<ParkFn>,
     queued: Duration,
     failed: Option<EngineError>,
     /// The request's span; prefill (entered for each chunk) and decode (from the first token
@@ -347,9 +349,9 @@ fn admit<M: BatchModel>(
         return;
     }
     c.requests.fetch_add(1, Ordering::Relaxed);
-    let (cached_blocks, sink) = match job.prefix {
-        Some(p) => (p.cached, Some(p.sink)),
-        None => (Vec::new(), None),
+    let (cached_blocks, sink, resume, park) = match job.prefix {
+        Some(p) => (p.cached, Some(p.sink), p.resume, p.park),
+        None => (Vec::new(), None, None, None),
     };
     drop(job.queue_span);
     let cached: Vec<CachedKv<'_>> = cached_blocks
@@ -359,18 +361,20 @@ fn admit<M: BatchModel>(
             tokens: *tokens,
         })
         .collect();
-    let cached_tokens: usize = cached.iter().map(|c| c.tokens).sum();
+    let cached_tokens: usize =
+        cached.iter().map(|c| c.tokens).sum::<usize>() + resume.as_ref().map_or(0, |r| r.tokens);
     let started = {
         // Validation and the import of cached KV into the sequence's buffers.
         let span = tracing::info_span!(parent: &job.span, "kv.import", tokens = cached_tokens);
         let _entered = span.enter();
-        model.start(job.request, options, &cached)
+        model.start(job.request, options, &cached, resume)
     };
     match started {
         Ok(seq) => active.push(Active {
             seq,
             events: job.events,
             sink,
+            park,
             queued,
             failed: None,
             span: job.span,
@@ -396,7 +400,12 @@ fn retire<M: BatchModel>(model: &M, mut a: Active<M::Seq>, c: &Counters) {
                 .sink
                 .as_mut()
                 .map(|f| &mut **f as &mut (dyn FnMut(FinishedBlock) + Send));
-            model.finish(a.seq, sink)
+            model.finish(a.seq, sink).map(|(g, parked)| {
+                if let (Some(park), Some(kv)) = (a.park.take(), parked) {
+                    park(kv);
+                }
+                g
+            })
         }
     };
     match &result {

@@ -7,7 +7,9 @@
 use crate::engine::EngineError;
 use crate::engine::generate::{EngineOptions, GenerateRequest, Generation, TokenEvent};
 use crate::engine::loader::LoadedModel;
-use crate::engine::sequence::{BlockSink, CachedKv, Sequence, Stepped, decode_step};
+use crate::engine::sequence::{
+    BlockSink, CachedKv, ParkedKv, Resume, Sequence, Stepped, decode_step,
+};
 
 /// A request's state as the loop sees it.
 pub trait BatchSeq {
@@ -26,12 +28,14 @@ pub trait BatchSeq {
 pub trait BatchModel: Send + 'static {
     type Seq: BatchSeq;
 
-    /// Validates the request and imports the cached KV for the start of its prompt.
+    /// Validates the request and imports the cached KV for the start of its prompt, or
+    /// resumes it from a parked cache.
     fn start(
         &self,
         request: GenerateRequest,
         options: &EngineOptions,
         cached: &[CachedKv<'_>],
+        resume: Option<Resume>,
     ) -> Result<Self::Seq, EngineError>;
 
     /// Runs the next prefill chunk, handing finished blocks to `sink`. Once the prompt is
@@ -54,8 +58,12 @@ pub trait BatchModel: Send + 'static {
     ) -> Result<Stepped, EngineError>;
 
     /// Hands the blocks of generated tokens to `sink` (where the request stores them) and
-    /// gives the finished generation.
-    fn finish(&self, seq: Self::Seq, sink: BlockSink<'_>) -> Result<Generation, EngineError>;
+    /// gives the finished generation, with the sequence's KV cache if it can be parked.
+    fn finish(
+        &self,
+        seq: Self::Seq,
+        sink: BlockSink<'_>,
+    ) -> Result<(Generation, Option<ParkedKv>), EngineError>;
 }
 
 impl BatchSeq for Sequence {
@@ -84,8 +92,9 @@ impl BatchModel for LoadedModel {
         request: GenerateRequest,
         options: &EngineOptions,
         cached: &[CachedKv<'_>],
+        resume: Option<Resume>,
     ) -> Result<Sequence, EngineError> {
-        Sequence::new(self, request, options, cached)
+        Sequence::new(self, request, options, cached, resume)
     }
 
     fn prefill_chunk(
@@ -109,11 +118,15 @@ impl BatchModel for LoadedModel {
         decode_step(self, batch, emit)
     }
 
-    fn finish(&self, mut seq: Sequence, sink: BlockSink<'_>) -> Result<Generation, EngineError> {
+    fn finish(
+        &self,
+        mut seq: Sequence,
+        sink: BlockSink<'_>,
+    ) -> Result<(Generation, Option<ParkedKv>), EngineError> {
         // Storing is a favour to later requests: its failure does not fail this one.
         if let Err(e) = seq.finish_blocks(sink) {
             tracing::warn!(error = %e, "storing generated blocks failed");
         }
-        seq.into_generation()
+        seq.into_parts()
     }
 }

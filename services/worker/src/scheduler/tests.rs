@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use super::*;
 use crate::engine::generate::{FinishReason, Timings};
 use crate::engine::sample::Sampled;
-use crate::engine::sequence::{BlockSink, Stepped};
+use crate::engine::sequence::{BlockSink, ParkedKv, Resume, Stepped};
 
 const CHUNK: usize = 4;
 
@@ -136,6 +136,7 @@ impl BatchModel for Fake {
         request: GenerateRequest,
         _options: &EngineOptions,
         cached: &[CachedKv<'_>],
+        _resume: Option<Resume>,
     ) -> Result<FakeSeq, EngineError> {
         self.shared.starts.fetch_add(1, Ordering::SeqCst);
         while self.shared.hold.load(Ordering::SeqCst) {
@@ -210,8 +211,12 @@ impl BatchModel for Fake {
         })
     }
 
-    fn finish(&self, seq: FakeSeq, _sink: BlockSink<'_>) -> Result<Generation, EngineError> {
-        Ok(Generation {
+    fn finish(
+        &self,
+        seq: FakeSeq,
+        _sink: BlockSink<'_>,
+    ) -> Result<(Generation, Option<ParkedKv>), EngineError> {
+        let generation = Generation {
             prompt_tokens: seq.prompt,
             cached_tokens: seq.cached,
             finish: seq
@@ -224,7 +229,8 @@ impl BatchModel for Fake {
             notices: Vec::new(),
             speculation: None,
             pruned_tokens: 0,
-        })
+        };
+        Ok((generation, None))
     }
 }
 
