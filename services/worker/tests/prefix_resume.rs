@@ -175,8 +175,8 @@ fn blocks_of_generated_tokens_are_stored_only_when_opted_in() {
 
 /// A chat's next turn resumed from the previous turn's parked cache (its live KV: prompt and
 /// answer, nothing copied): the greedy tokens of a cold run of the new prompt, each token's
-/// log-probability within 1e-3 of the cold run's, and the whole blocks the first turn did not
-/// store (those holding its answer) are handed to the cache by the second.
+/// log-probability within 1e-3 of the cold run's, and only the whole blocks not stored yet are
+/// handed to the cache by the second.
 ///
 /// Why 1e-3: the resumed rows of the answer were computed one token at a time (decode) and the
 /// new tokens in a chunk of another shape than the cold run's, so the sums round differently;
@@ -185,7 +185,11 @@ fn blocks_of_generated_tokens_are_stored_only_when_opted_in() {
 #[test]
 fn the_next_turn_resumes_from_the_parked_cache_of_the_previous_one() {
     let m = model();
-    let options = EngineOptions::default();
+    // As `strata up` runs workers: blocks of generated tokens are cached too.
+    let options = EngineOptions {
+        store_decode_kv: true,
+        ..EngineOptions::default()
+    };
     let first = prompt(&m, BLOCK + 200);
     let mut req = GenerateRequest::greedy(first.clone(), 80);
     req.ignore_eos = true;
@@ -208,12 +212,13 @@ fn the_next_turn_resumes_from_the_parked_cache_of_the_previous_one() {
     let held = first.len() + turn1.tokens.len() - 1;
     assert_eq!(parked.tokens.len(), held);
     assert_eq!(parked.tokens[..first.len()], first[..]);
-    assert_eq!(parked.stored_blocks, 1, "the prompt's one whole block");
+    // The prompt's whole block, and the one its answer completed (stored at its end).
+    assert_eq!(parked.stored_blocks, held / BLOCK);
     assert!(parked.bytes() as usize >= held * m.model.kv_layout().bytes_per_token());
 
     // The next turn: the whole conversation so far, then a new question.
     let mut next: Vec<u32> = first.iter().chain(&turn1.tokens).copied().collect();
-    next.extend(prompt(&m, 40));
+    next.extend(prompt(&m, 300));
     let mut req2 = GenerateRequest::greedy(next.clone(), 16);
     req2.ignore_eos = true;
     req2.sampling.logprobs = Some(0);
@@ -245,14 +250,17 @@ fn the_next_turn_resumes_from_the_parked_cache_of_the_previous_one() {
             "token {i}: logprob {w} resumed, {c} cold"
         );
     }
-    // Blocks 1 and 2 (the answer and the new question) go to the cache; block 0 was stored.
+    // The whole blocks after those stored go to the cache (the new question's).
     let whole: Vec<usize> = handed
         .iter()
         .filter(|b| b.tokens.len() == BLOCK)
         .map(|b| b.index)
         .collect();
-    assert_eq!(whole, (1..(next.len() - 1) / BLOCK).collect::<Vec<_>>());
-    assert_eq!(handed[0].tokens, next[BLOCK..2 * BLOCK]);
+    assert_eq!(
+        whole,
+        (held / BLOCK..(next.len() - 1) / BLOCK).collect::<Vec<_>>()
+    );
+    assert_eq!(handed[0].tokens, next[2 * BLOCK..3 * BLOCK]);
 
     // The same prompt resumed from a cache cut back to a shorter prefix (another question
     // after the first turn's prompt): still the cold run's tokens.
@@ -279,4 +287,10 @@ fn the_next_turn_resumes_from_the_parked_cache_of_the_previous_one() {
         .unwrap();
     assert_eq!(warm3.cached_tokens, first.len());
     assert_eq!(warm3.tokens, cold3.tokens);
+
+    // Without caching generated tokens, a parked cache offers the prompt's rows only.
+    let (_, parked) = m
+        .generate_parking(&req, &EngineOptions::default(), Prefix::default(), |_| true)
+        .unwrap();
+    assert_eq!(parked.unwrap().tokens, first);
 }

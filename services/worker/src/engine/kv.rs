@@ -892,12 +892,45 @@ impl KvCache {
         });
         let mut layers = Vec::with_capacity(l.num_layers);
         for share in built {
-            layers.extend(share?.into_iter().map(Some));
+            layers.extend(share?);
         }
-        self.layers = layers;
+        // On a GPU the new buffers' pages move to the device in one go (`device_copy`).
+        let mut spans = Vec::with_capacity(2 * layers.len());
+        for kv in &layers {
+            for a in [&kv.keys, &kv.values] {
+                spans.push(array_bytes(a)?);
+            }
+        }
+        crate::device_copy::prefetch_to_device(&spans);
+        self.layers = layers.into_iter().map(Some).collect();
         self.len = total;
         Ok(())
     }
+}
+
+/// The bytes of an evaluated array in its own dtype.
+fn array_bytes(a: &Array) -> Result<&[u8]> {
+    let (ptr, len) = match a.dtype() {
+        Dtype::Float32 => {
+            let s = a.try_as_slice::<f32>();
+            s.map(|s| (s.as_ptr().cast::<u8>(), std::mem::size_of_val(s)))
+        }
+        Dtype::Float16 => {
+            let s = a.try_as_slice::<half::f16>();
+            s.map(|s| (s.as_ptr().cast::<u8>(), std::mem::size_of_val(s)))
+        }
+        Dtype::Bfloat16 => {
+            let s = a.try_as_slice::<half::bf16>();
+            s.map(|s| (s.as_ptr().cast::<u8>(), std::mem::size_of_val(s)))
+        }
+        other => {
+            return Err(EngineError::Config(format!("KV of dtype {other:?}")));
+        }
+    }
+    .map_err(|e| EngineError::Mlx(format!("reading KV bytes: {e}")))?;
+    // SAFETY: the slice above spans exactly these bytes of the array's buffer, which lives as
+    // long as the borrow of `a`.
+    Ok(unsafe { std::slice::from_raw_parts(ptr, len) })
 }
 
 /// Builds the K and V arrays `[1, heads, capacity, dim]` of `layers` from `parts` (blocks in

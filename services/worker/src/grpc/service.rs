@@ -935,6 +935,15 @@ fn live_features(serving: &Serving) -> std::collections::HashMap<String, String>
                 "; so far {driver} copies by the driver, {fallback} read directly after it failed"
             ));
         }
+        let (moved, refused) = (
+            crate::device_copy::PREFETCHES.load(Ordering::Relaxed),
+            crate::device_copy::FAILED_PREFETCHES.load(Ordering::Relaxed),
+        );
+        if moved + refused > 0 {
+            v.push_str(&format!(
+                "; imported KV: {moved} buffers moved to the device in bulk, {refused} refused by the driver"
+            ));
+        }
     }
     out
 }
