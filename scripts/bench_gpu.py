@@ -232,6 +232,16 @@ class Cluster:
         with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
             return json.load(r)
 
+    def admin_stats(self):
+        """The worker's stats from /admin (prefix cache, parked caches, features)."""
+        token = (self.tmp / "run" / "admin-token").read_text().strip()
+        req = urllib.request.Request(self.base + "/admin/api/workers",
+                                     headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            workers = json.load(r)["workers"]
+        return [{k: w.get("stats", {}).get(k) for k in ("prefix_cache", "features")}
+                for w in workers]
+
     def phases(self):
         """The worker's last "prefill phases" log line, as numbers (strata only)."""
         text = re.sub(r"\x1b\[[0-9;]*m", "", self.log.read_text(errors="replace"))
@@ -276,6 +286,9 @@ class MlxLmServer(Cluster):
     def health(self):
         return {}
 
+    def admin_stats(self):
+        return None
+
     def phases(self):
         return None
 
@@ -313,6 +326,10 @@ def serve_bench(args, server):
             save(args, results)
         results["streams"] = streams_bench(c, args)
         print(f"{c.name} streams: {results['streams']}", file=sys.stderr, flush=True)
+        try:
+            results["admin"] = c.admin_stats()
+        except (OSError, urllib.error.HTTPError, KeyError) as e:
+            results["admin"] = f"unavailable: {e}"
         save(args, results)
         # After a restart of every process: Strata's blocks come from the disk tier;
         # mlx_lm.server has no disk tier, so this is a cold run for it.
@@ -327,6 +344,11 @@ def serve_bench(args, server):
             results[n]["restart_cached_tokens"] = cached_tokens(usage)
             results[n]["restart_phases"] = c.phases()
             save(args, results)
+        try:
+            results["admin_after_restart"] = c.admin_stats()
+        except (OSError, urllib.error.HTTPError, KeyError) as e:
+            results["admin_after_restart"] = f"unavailable: {e}"
+        save(args, results)
         if args.stability and c.name == "strata":
             results["stability_98k"] = stability(c)
     finally:
