@@ -349,11 +349,6 @@ impl PrefixCache {
         let mut cached = Vec::new();
         let mut tiers = Tiers::default();
         let mut l0_next = None;
-        // A parked cache holding this much of the prompt needs no block below it.
-        let parked = self
-            .parking
-            .as_ref()
-            .map_or(0, |p| p.peek(&self.namespace, &prompt[..body]));
         {
             let mut l0 = lock(&self.l0);
             for k in &keys[..reusable] {
@@ -372,6 +367,17 @@ impl PrefixCache {
         tiers.l0 = cached.len() * b;
         let in_l0 = cached.len();
         let l0_rows = l0_next.as_ref().map_or(0, |c| c.rows);
+        // A parked cache holding at least what L0 gives is claimed now (a concurrent request
+        // cannot take it while this one fetches); no block it covers is fetched, and it goes
+        // back if the cache service offers more.
+        let mut resume = self.parking.as_ref().and_then(|p| {
+            p.take(
+                &self.namespace,
+                &prompt[..body],
+                (in_l0 * b + l0_rows).max(1),
+            )
+        });
+        let parked = resume.as_ref().map_or(0, |r| r.tokens);
         let remote = self
             .fetch(prompt, &keys[..reusable], in_l0, l0_rows, parked)
             .await;
@@ -415,14 +421,16 @@ impl PrefixCache {
         }
         drop(l0);
         // The parked cache, if it holds at least what the blocks give: resumed in place,
-        // nothing imported.
+        // nothing imported. Otherwise it is parked again.
         let from_blocks: usize = cached.iter().map(|(_, t)| t).sum();
-        let resume = match &self.parking {
-            Some(p) if parked > 0 && parked >= from_blocks => {
-                p.take(&self.namespace, &prompt[..body], from_blocks.max(1))
+        if let (Some(p), Some(r)) = (&self.parking, resume.take()) {
+            if r.tokens >= from_blocks {
+                p.count_resume(r.tokens);
+                resume = Some(r);
+            } else {
+                p.park(self.namespace.clone(), r.parked);
             }
-            _ => None,
-        };
+        }
         if let Some(r) = &resume {
             tracing::debug!(
                 tokens = r.tokens,

@@ -137,19 +137,10 @@ impl Parking {
         lock(&self.entries).clear();
     }
 
-    /// The most tokens of `prompt` a parked cache of `namespace` holds from the start.
-    pub fn peek(&self, namespace: &str, prompt: &[u32]) -> usize {
-        lock(&self.entries)
-            .iter()
-            .filter(|e| &*e.namespace == namespace)
-            .map(|e| common_prefix(&e.kv.tokens, prompt))
-            .max()
-            .unwrap_or(0)
-    }
-
     /// Takes the parked cache of `namespace` that holds the most of `prompt` (at least
     /// `at_least` tokens), to resume `prompt` from: it leaves the parking (and its
-    /// reservation: the request holds its own).
+    /// reservation: the request holds its own). `count_resume` once it is used; `park` it
+    /// again if not.
     pub fn take(&self, namespace: &str, prompt: &[u32], at_least: usize) -> Option<Resume> {
         let mut entries = lock(&self.entries);
         let (i, tokens) = entries
@@ -160,15 +151,18 @@ impl Parking {
             .max_by_key(|&(_, n)| n)
             .filter(|&(_, n)| n > 0 && n >= at_least)?;
         let entry = entries.remove(i);
-        drop(entries);
-        self.stats.resumed.fetch_add(1, Ordering::Relaxed);
-        self.stats
-            .resumed_tokens
-            .fetch_add(tokens as u64, Ordering::Relaxed);
         Some(Resume {
             parked: entry.kv,
             tokens,
         })
+    }
+
+    /// Counts a prompt resumed from a taken cache.
+    pub fn count_resume(&self, tokens: usize) {
+        self.stats.resumed.fetch_add(1, Ordering::Relaxed);
+        self.stats
+            .resumed_tokens
+            .fetch_add(tokens as u64, Ordering::Relaxed);
     }
 
     /// A request found the memory taken: drops every parked cache but the one that holds
@@ -206,6 +200,18 @@ mod tests {
     use super::*;
     use crate::engine::kv::{KvCache, KvLayout};
     use mlx_rs::Array;
+
+    impl Parking {
+        /// The most tokens of `prompt` a parked cache of `namespace` holds from the start.
+        fn peek(&self, namespace: &str, prompt: &[u32]) -> usize {
+            lock(&self.entries)
+                .iter()
+                .filter(|e| &*e.namespace == namespace)
+                .map(|e| common_prefix(&e.kv.tokens, prompt))
+                .max()
+                .unwrap_or(0)
+        }
+    }
 
     fn parked(tokens: &[u32]) -> ParkedKv {
         let layout = KvLayout {
