@@ -323,8 +323,29 @@ def test_a_hung_cache_service_costs_a_bounded_wait_not_a_failure(cluster):
 
 def test_a_corrupted_block_file_is_never_used(cluster):
     question = "Which planet is the largest?"
-    cold, usage = ask(cluster, question)
-    files = wait_stored(cluster, usage.prompt_tokens // BLOCK)
+    # A salt of its own: the first answer is a cold run (no other test's blocks or parked
+    # cache serve it), so the answer computed after the corruption must equal it exactly.
+    salt = "corrupted-blocks"
+    kv = pathlib.Path(cluster.run_dir).parent / "kv" / "blocks"
+    since = time.time() - 1
+    cold, usage = ask(cluster, question, salt=salt)
+    assert usage.prompt_tokens_details.cached_tokens == 0
+    # This prompt's block files: written after it was sent (the disk tier may have evicted
+    # older ones meanwhile, so a count of all files would not tell).
+    def written_since(f):
+        try:
+            return f.stat().st_mtime >= since
+        except OSError:  # evicted while listed
+            return False
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        files = [f for f in kv.glob("*/*.blk") if written_since(f)]
+        if len(files) >= usage.prompt_tokens // BLOCK:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"this prompt's blocks did not reach {kv}")
     # Flip a byte in the payload of every block file: any of them may be this prompt's.
     for f in files:
         data = bytearray(f.read_bytes())
@@ -332,7 +353,7 @@ def test_a_corrupted_block_file_is_never_used(cluster):
         f.write_bytes(bytes(data))
     restart_worker(cluster)  # empty L0: the blocks must come from the cache service
     before = admin(cluster, "/admin/api/cache/stats")["corrupt_blocks"]
-    tokens, usage = ask(cluster, question)
+    tokens, usage = ask(cluster, question, salt=salt)
     assert tokens == cold
     # The first block is corrupt, so nothing before it can be used.
     assert usage.prompt_tokens_details.cached_tokens == 0

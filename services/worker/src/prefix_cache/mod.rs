@@ -32,6 +32,8 @@ use remote::{store_loop, tier_name};
 
 /// How long a lookup may take before the prompt is computed instead.
 const LOOKUP_DEADLINE: Duration = Duration::from_secs(1);
+/// The fewest tokens a prompt takes a parked cache for (see `prepare`).
+const MIN_PARKED_RESUME: usize = 64;
 /// Blocks waiting to be stored; when full, new ones are dropped (decode never waits).
 const STORE_QUEUE_BLOCKS: usize = 256;
 
@@ -369,12 +371,16 @@ impl PrefixCache {
         let l0_rows = l0_next.as_ref().map_or(0, |c| c.rows);
         // A parked cache holding at least what L0 gives is claimed now (a concurrent request
         // cannot take it while this one fetches); no block it covers is fetched, and it goes
-        // back if the cache service offers more.
+        // back if the cache service offers more. It must hold `MIN_PARKED_RESUME` tokens at
+        // least (or the whole body): another conversation's cache is not cut down to the few
+        // tokens of a chat template's start that every prompt shares.
         let mut resume = self.parking.as_ref().and_then(|p| {
             p.take(
                 &self.namespace,
                 &prompt[..body],
-                (in_l0 * b + l0_rows).max(1),
+                (in_l0 * b + l0_rows)
+                    .max(MIN_PARKED_RESUME.min(body))
+                    .max(1),
             )
         });
         let parked = resume.as_ref().map_or(0, |r| r.tokens);

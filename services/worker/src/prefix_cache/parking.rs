@@ -13,7 +13,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::admission::{Admission, Reservation};
+use crate::admission::{Admission, Refusal, Reservation};
 use crate::engine::sequence::{ParkedKv, Resume};
 
 /// Receives a finished sequence's KV cache (the scheduler calls it when the sequence ends).
@@ -101,8 +101,9 @@ impl Parking {
             None => None,
             Some(a) => {
                 let mut r = a.reserve_bytes(bytes, "a parked KV cache");
-                // Older parked caches give way to the newest.
-                while r.is_err() && !entries.is_empty() {
+                // Older parked caches give way to the newest, when that makes room (not when
+                // it could never fit).
+                while matches!(r, Err(Refusal::Busy { .. })) && !entries.is_empty() {
                     entries.remove(0);
                     self.stats.evicted.fetch_add(1, Ordering::Relaxed);
                     r = a.reserve_bytes(bytes, "a parked KV cache");
@@ -293,5 +294,11 @@ mod tests {
         parking.park("a".into(), parked(&[5; 8]));
         assert_eq!(parking.held(), (1, one));
         assert_eq!(parking.peek("a", &[5]), 1);
+        // One larger than the whole budget is refused without evicting the others.
+        let small = Parking::new(100 * one, Some(Admission::of_bytes_for_tests(one * 3 / 2)));
+        small.park("a".into(), parked(&[6; 8]));
+        small.park("a".into(), parked(&[7; 16]));
+        assert_eq!(small.held(), (1, one));
+        assert_eq!(small.stats.refused.load(Ordering::Relaxed), 1);
     }
 }
