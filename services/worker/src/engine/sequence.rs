@@ -564,13 +564,7 @@ impl Sequence {
         if held <= self.cache_tokens.len() {
             return Ok(());
         }
-        let all: Vec<u32> = self
-            .cache_tokens
-            .iter()
-            .chain(self.tokens.iter())
-            .copied()
-            .take(held)
-            .collect();
+        let all = self.first_tokens(held);
         while self.stored_blocks < done {
             let i = self.stored_blocks;
             sink(FinishedBlock {
@@ -776,6 +770,16 @@ impl Sequence {
         self.into_parts().map(|(g, _)| g)
     }
 
+    /// The first `n` ids of the prompt (as the cache knows it) and then the answer.
+    fn first_tokens(&self, n: usize) -> Vec<u32> {
+        self.cache_tokens
+            .iter()
+            .chain(self.tokens.iter())
+            .copied()
+            .take(n)
+            .collect()
+    }
+
     /// The finished generation, and the sequence's KV cache to park for the next prompt
     /// that shares its start, where it can be resumed (see `parkable`).
     pub fn into_parts(mut self) -> Result<(Generation, Option<ParkedKv>)> {
@@ -788,13 +792,7 @@ impl Sequence {
                 } else {
                     self.cache.len().min(self.cache_tokens.len())
                 };
-                let tokens: Vec<u32> = self
-                    .cache_tokens
-                    .iter()
-                    .chain(self.tokens.iter())
-                    .copied()
-                    .take(held)
-                    .collect();
+                let tokens = self.first_tokens(held);
                 let layout = self.cache.layout();
                 let cache = std::mem::replace(&mut self.cache, KvCache::new(layout, 1));
                 (tokens.len() == held).then_some(ParkedKv {
