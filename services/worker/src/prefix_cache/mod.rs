@@ -27,7 +27,7 @@ use crate::engine::sequence::{FinishedBlock, Resume};
 use crate::kv_quant::{self, KvQuant};
 pub use cost::CostModel;
 use l0::L0;
-pub use parking::{ParkFn, Parking, ParkingStats};
+pub use parking::{ParkFn, Parking};
 use remote::{store_loop, tier_name};
 
 /// How long a lookup may take before the prompt is computed instead.
@@ -228,10 +228,6 @@ impl PrefixCache {
     pub fn with_parking(mut self, parking: Parking) -> Self {
         self.parking = Some(parking);
         self
-    }
-
-    pub fn parking(&self) -> Option<&Parking> {
-        self.parking.as_ref()
     }
 
     /// A request for `prompt` found the worker's memory taken: parked caches give it back,

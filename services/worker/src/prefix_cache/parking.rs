@@ -69,10 +69,6 @@ impl Parking {
         }
     }
 
-    pub fn budget_bytes(&self) -> u64 {
-        self.budget_bytes
-    }
-
     /// (caches parked, bytes they hold).
     pub fn held(&self) -> (usize, u64) {
         let entries = lock(&self.entries);
