@@ -695,6 +695,7 @@ impl Model {
         let few = self.cpu_attention
             && at as usize
                 <= strata_cpu_kernels::matmul::MAX_ROWS.max(super::weights::PACKED_MAX_ROWS);
+        let decode_positions = self.batched_decode_positions(batch, want);
         // Each layer's place among the layers that keep K/V, and among the recurrent ones.
         let (mut kv_index, mut recurrent_index) = (0, 0);
         for (li, layer) in self.layers.iter().enumerate() {
@@ -723,6 +724,20 @@ impl Model {
             } else {
                 (q, None)
             };
+            if let Some(positions) = &decode_positions {
+                let attn = self.batched_decode_attention(
+                    att,
+                    [&q, &k, &v],
+                    batch,
+                    (li, kvi),
+                    positions,
+                    window,
+                )?;
+                let attn = gated(attn, gate.as_ref())?;
+                x = self.attention_residual(layer, att, &x, &attn, few)?;
+                x = self.mlp(layer, &x, few)?;
+                continue;
+            }
             // Each sequence's queries (RoPE applied) and everything its cache holds.
             let mut inputs = Vec::with_capacity(batch.len());
             for (seq, &(start, end)) in batch.iter_mut().zip(&ranges) {
@@ -839,6 +854,122 @@ impl Model {
             None => head.apply(&x)?,
         };
         Ok(logits.as_dtype(Dtype::Float32)?)
+    }
+
+    /// Attention and products through MLX's kernels even on a CPU, as on a GPU or Metal: for
+    /// tests of the paths only an accelerator takes otherwise.
+    pub fn use_mlx_kernels(&mut self) {
+        self.cpu_attention = false;
+        self.host = None;
+    }
+
+    /// Whether a decode step of `batch` runs as one (`batched_decode_positions`): for tests.
+    pub fn decodes_as_one_batch(&self, batch: &[SeqChunk<'_>]) -> bool {
+        self.batched_decode_positions(batch, Outputs::LastLogits)
+            .is_some()
+    }
+
+    /// The position of each sequence's one new token, if `batch` is a decode step that runs
+    /// as one: several sequences of one token each, logits wanted, on MLX's attention (not a
+    /// CPU's, whose kernels read each cache in place), in a family whose RoPE is the plain one
+    /// (no per-layer base, no query scaling). Why: on a GPU a batched decode step is bound by
+    /// the number of operations in its graph, not by arithmetic; each sequence's own RoPE,
+    /// slices and transposes made 8 streams take ~35 ms a step on an H100 against 5.5 ms for
+    /// one.
+    fn batched_decode_positions(&self, batch: &[SeqChunk<'_>], want: Outputs) -> Option<Array> {
+        let c = &self.config;
+        if self.cpu_attention
+            || want != Outputs::LastLogits
+            || batch.len() < 2
+            || c.sliding_window.is_some()
+            || c.query_scaling.is_some()
+        {
+            return None;
+        }
+        let mut positions = Vec::with_capacity(batch.len());
+        for seq in batch {
+            match seq.cache.position_runs(seq.tokens.len())[..] {
+                [(0, 1, position)] if seq.tokens.len() == 1 => positions.push(position as i32),
+                _ => return None,
+            }
+        }
+        Some(Array::from_slice(&positions, &[positions.len() as i32]))
+    }
+
+    /// Attention of layer `li` (K/V layer `kvi`) for a decode step of one token per sequence:
+    /// queries and keys of the whole batch through RoPE together (one position per row), then
+    /// per sequence only its cache append and MLX's fused attention. `[sequences, heads * dim]`.
+    fn batched_decode_attention(
+        &self,
+        att: &Attention,
+        [q, k, v]: [&Array; 3],
+        batch: &mut [SeqChunk<'_>],
+        (li, kvi): (usize, usize),
+        positions: &Array,
+        window: Option<usize>,
+    ) -> Result<Array> {
+        let c = &self.config;
+        let n = batch.len() as i32;
+        let (h, hk, hd) = (c.num_heads as i32, c.num_kv_heads as i32, c.head_dim as i32);
+        let heads = |a: &Array, heads: i32| -> Result<Array> {
+            Ok(a.reshape(&[n, 1, heads, hd])?
+                .transpose_axes(&[0, 2, 1, 3])?)
+        };
+        let (mut q, mut k) = (heads(q, h)?, heads(k, hk)?);
+        if let (Some(qn), Some(kn)) = (&att.q_norm, &att.k_norm) {
+            q = fast::rms_norm(&q, Some(qn), c.rms_norm_eps)?;
+            k = fast::rms_norm(&k, Some(kn), c.rms_norm_eps)?;
+        }
+        let q = self.rope_rows(&q, li, positions)?;
+        let k = self.rope_rows(&k, li, positions)?;
+        let v = heads(v, hk)?;
+        let mut outputs = Vec::with_capacity(batch.len());
+        for (i, seq) in batch.iter_mut().enumerate() {
+            let i = i as i32;
+            let (keys, values) =
+                seq.cache
+                    .append(kvi, &k.try_index(i..i + 1)?, &v.try_index(i..i + 1)?)?;
+            let q = q.try_index(i..i + 1)?;
+            let (keys, values) = if keys.dtype() == q.dtype() {
+                (keys, values)
+            } else {
+                (keys.as_dtype(q.dtype())?, values.as_dtype(q.dtype())?)
+            };
+            outputs.push(fused_attention(
+                &q,
+                &keys,
+                &values,
+                c.attention_scale,
+                window,
+            )?);
+        }
+        // `[n, heads, 1, dim]` is `[n, heads * dim]` in memory: one new token per sequence.
+        Ok(concatenate(&outputs, 0)?.reshape(&[n, h * hd])?)
+    }
+
+    /// RoPE of layer `li` over `[n, heads, 1, dim]`, row `i` at `positions[i]`.
+    fn rope_rows(&self, x: &Array, li: usize, positions: &Array) -> Result<Array> {
+        if self.config.no_rope_layers.contains(&li) {
+            return Ok(x.clone());
+        }
+        let x = match &self.rotary.input_scale {
+            Some(scale) => x.multiply(scale)?,
+            None => x.clone(),
+        };
+        let c = &self.config;
+        let base = match self.rotary.periods {
+            Some(_) => None,
+            None => Some(c.rope_theta),
+        };
+        Ok(fast::rope_dynamic(
+            &x,
+            c.rope_dims as i32,
+            c.rope_traditional,
+            base,
+            c.rope_scaling.position_scale(),
+            positions,
+            self.rotary.periods.as_ref(),
+        )?)
     }
 
     /// The residual stream after attention: `x + o(attn)`, the output normalised first in

@@ -401,7 +401,7 @@ impl Sequence {
             }
         }
         if !self.needs_prefill() {
-            self.prefill_logits = Some(out.as_slice::<f32>().to_vec());
+            self.prefill_logits = Some(crate::device_copy::to_host_f32(out.as_slice::<f32>()));
             self.prefill_time = Some(self.started.elapsed());
         }
         self.release_window_rows(storing)
@@ -509,7 +509,7 @@ impl Sequence {
         out.eval()?;
         self.prefilled = at;
         if at == len {
-            self.prefill_logits = Some(out.as_slice::<f32>().to_vec());
+            self.prefill_logits = Some(crate::device_copy::to_host_f32(out.as_slice::<f32>()));
             self.prefill_time = Some(self.started.elapsed());
         }
         Ok(())
@@ -911,7 +911,7 @@ pub fn decode_step(
         }
         let out = model.model.forward(&mut chunks)?;
         out.eval()?;
-        out.as_slice::<f32>().to_vec()
+        crate::device_copy::to_host_f32(out.as_slice::<f32>())
     };
     let vocab = logits.len() / ready.len();
     let mut failed = Vec::new();
