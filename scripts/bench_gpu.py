@@ -358,11 +358,12 @@ def serve_bench(args, server):
 
 
 def warm_up(c, seed):
-    """A 4K-token prompt of its own first, twice: MLX compiles its CUDA kernels at their first
-    use (NVRTC), which is no part of any column, and a one-token pass over a cached prompt
-    (the second) uses kernels of other shapes than a long pass (Strata's first warm hit at 8K
-    once took 0.41 s, 0.40 of them in its one-token pass, against 0.05 s at 32K)."""
-    ids = prompt_ids(4096, seed=seed)
+    """A 6K-token prompt of its own first, twice: MLX compiles its CUDA kernels at their first
+    use (NVRTC), which is no part of any column. The prompt takes two prefill passes and the
+    second request is a one-token pass over a cached prompt: both use kernels that a single
+    4K pass does not (Strata's first warm hit at 8K took 0.41-0.56 s, all of it in its
+    one-token pass, after a 4K warm-up of one pass, against 0.05 s at 32K)."""
+    ids = prompt_ids(6144, seed=seed)
     c.complete(ids, 2)
     c.complete(ids, 2)
 
