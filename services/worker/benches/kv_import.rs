@@ -43,7 +43,7 @@ fn main() {
         for _ in 0..7 {
             let mut cache = KvCache::new(LAYOUT, 256);
             let t = Instant::now();
-            cache.import_all(&parts).expect("import");
+            cache.import_all(&parts, 1).expect("import");
             imports.push(t.elapsed().as_secs_f64() * 1e3);
             let t = Instant::now();
             cache.eval().expect("eval");

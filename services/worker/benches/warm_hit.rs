@@ -76,7 +76,7 @@ fn main() {
     for round in 0..rounds {
         let t = Instant::now();
         let mut c = model.new_cache(256);
-        c.import_all(&[(&bytes, prefix)]).expect("import");
+        c.import_all(&[(&bytes, prefix)], 1).expect("import");
         imports.push(t.elapsed());
         for (n, times) in CHUNKS.iter().zip(chunks.iter_mut()) {
             let question: Vec<u32> = (0..*n as u32).map(|i| 500 + i + round).collect();

@@ -812,8 +812,8 @@ impl KvCache {
     /// Fills an empty cache from consecutive parts in `export`'s layout, each (bytes, tokens),
     /// with one buffer per layer and K/V sized for all of them at once. Importing part by part
     /// would grow (and copy) every buffer once per part: quadratic in the prefix, which at 4K
-    /// tokens cost more than the fetch itself.
-    pub fn import_all(&mut self, parts: &[(&[u8], usize)]) -> Result<()> {
+    /// tokens cost more than the fetch itself. `room`: tokens the caller will add next.
+    pub fn import_all(&mut self, parts: &[(&[u8], usize)], room: usize) -> Result<()> {
         if self.len != 0 || self.layers.iter().any(Option::is_some) {
             return Err(EngineError::Config(
                 "import_all needs an empty cache".into(),
@@ -861,9 +861,10 @@ impl KvCache {
             self.restore_snapshot(&last[kv..])?;
         }
         let parts = &kv_parts[..];
-        // Room for at least the token computed next, so that it does not grow (copy) buffers
-        // that hold the whole prefix.
-        let capacity = (total + 1).div_ceil(self.step_tokens) * self.step_tokens;
+        // Room for the `room` tokens the caller computes next (at least one), so that they do
+        // not grow (copy) buffers that hold the whole prefix: a warm prompt's tail that
+        // crossed a step boundary copied a 4K-token prefix's 189 MB again in its second pass.
+        let capacity = (total + room.max(1)).div_ceil(self.step_tokens) * self.step_tokens;
         // Layers are independent: each core stages and builds a share of them. The copy is
         // bound by memory bandwidth, but page faults of fresh buffers parallelise: for a
         // 4K-token prefix (~190 MB of f32 KV) on 2 cores, 43 -> 38 ms warm and 111 -> 74 ms for
@@ -1031,15 +1032,18 @@ mod tests {
         };
         let (first, second) = (values(4, 0.0), values(5, 1000.0));
         let mut full = KvCache::new(layout, 16);
-        full.import_all(&[(&first, 4), (&second, 5)]).unwrap();
+        full.import_all(&[(&first, 4), (&second, 5)], 1).unwrap();
         let mut lead = KvCache::new(layout, 16);
-        lead.import_all(&[(&first, 4), (&second, 3)]).unwrap();
+        lead.import_all(&[(&first, 4), (&second, 3)], 1).unwrap();
         assert_eq!(lead.len(), 7);
         assert_eq!(lead.export(0, 7).unwrap(), full.export(0, 7).unwrap());
         // More rows than the part holds, or a ragged part, is refused.
         let mut bad = KvCache::new(layout, 16);
-        assert!(bad.import_all(&[(&first, 5)]).is_err());
-        assert!(bad.import_all(&[(&first[..first.len() - 4], 3)]).is_err());
+        assert!(bad.import_all(&[(&first, 5)], 1).is_err());
+        assert!(
+            bad.import_all(&[(&first[..first.len() - 4], 3)], 1)
+                .is_err()
+        );
     }
 
     /// Several ranges exported in one evaluation are each what exporting it alone gives, in
@@ -1058,7 +1062,7 @@ mod tests {
             .flat_map(|i| (i as f32 * 0.25 - 3.0).to_le_bytes())
             .collect();
         let mut cache = KvCache::new(layout, 16);
-        cache.import_all(&[(&bytes, 9)]).unwrap();
+        cache.import_all(&[(&bytes, 9)], 1).unwrap();
         let ranges = [0..4, 4..8, 8..9, 2..7, 0..9];
         let together = cache.export_ranges(&ranges).unwrap();
         assert_eq!(together.len(), ranges.len());
@@ -1120,7 +1124,7 @@ mod tests {
         assert!(cache.export(0, 5).is_err());
 
         let mut resumed = KvCache::new(layout, 16);
-        resumed.import_all(&[(&whole, 4), (&tail, 2)]).unwrap();
+        resumed.import_all(&[(&whole, 4), (&tail, 2)], 1).unwrap();
         assert_eq!(resumed.len(), 6);
         assert_eq!(
             resumed.export(0, 6).unwrap()[..6 * 32],
@@ -1133,10 +1137,14 @@ mod tests {
         );
         // The live states end the block that ends where the sequence is.
         let mut at_end = KvCache::new(layout, 16);
-        at_end.import_all(&[(&whole, 4), (&live, 3)]).unwrap();
+        at_end.import_all(&[(&whole, 4), (&live, 3)], 1).unwrap();
         assert_eq!(at_end.recurrent_state(0).unwrap().1.to_vec(), vec![-7.0; 5]);
         // The leading rows of a block cannot be taken: the states are known at its end only.
-        assert!(KvCache::new(layout, 16).import_all(&[(&whole, 3)]).is_err());
+        assert!(
+            KvCache::new(layout, 16)
+                .import_all(&[(&whole, 3)], 1)
+                .is_err()
+        );
 
         // Back to a snapshot, not to anywhere else.
         assert!(cache.truncate(5).is_err());

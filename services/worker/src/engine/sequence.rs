@@ -84,6 +84,9 @@ pub struct Sequence {
     /// Hybrid models: message ends inside blocks, where partial blocks are stored.
     message_ends: Vec<usize>,
     prefilled: usize,
+    /// Where passes are counted from (`prefill_step`): 0, or in the default reuse mode where
+    /// prefill started after a cache hit or the last `prefill_breaks` position.
+    pass_origin: usize,
     cached_tokens: usize,
     /// Whole blocks imported or handed to the sink.
     stored_blocks: usize,
@@ -226,7 +229,9 @@ impl Sequence {
                 }
             }
         }
-        if !resumed && let Err(e) = cache.import_all(&usable) {
+        // Room for the rest of the prompt and the first generated token.
+        let room = req.prompt.len().saturating_sub(covered) + 1;
+        if !resumed && let Err(e) = cache.import_all(&usable, room) {
             tracing::warn!(error = %e, "cached KV does not fit this model; computing the prompt");
             notices.push(Notice {
                 feature: "prefix_cache".into(),
@@ -260,6 +265,11 @@ impl Sequence {
             cache,
             message_ends,
             prefilled: imported,
+            pass_origin: if options.last_token_alone {
+                0
+            } else {
+                imported
+            },
             cached_tokens: imported,
             stored_blocks,
             store_decode: options.store_decode_kv,
@@ -310,14 +320,19 @@ impl Sequence {
 
     /// Runs the next prefill chunk and hands finished prompt blocks to `on_block`.
     ///
-    /// Chunk ends depend only on absolute positions, never on what was cached: the multiples
-    /// of the chunk size, the request's `prefill_breaks`, the end of the prompt's body (all but
-    /// the last token) and the end. MLX's results for a row depend on the shape of the
-    /// matmul it is part of, so this is what makes a warm run repeat a cold run's arithmetic
-    /// bit for bit. With `last_token_alone` (`cache.exact`) the last token runs alone, so
-    /// that a prompt whose body is fully cached, partial tail included, still repeats the
-    /// cold run; otherwise it joins the body's last chunk (a hit is then equal to a cold run
-    /// within rounding, and saves a pass over the weights).
+    /// Chunk ends: the multiples of the chunk size counted from the pass origin, the
+    /// request's `prefill_breaks`, the end of the prompt's body (all but the last token) and
+    /// the end. With `last_token_alone` (`cache.exact`) the origin is always 0, so chunk ends
+    /// depend only on absolute positions, never on what was cached: MLX's results for a row
+    /// depend on the shape of the matmul it is part of, so this is what makes an exact hit
+    /// (at a block end) repeat a cold run's arithmetic bit for bit; and the last token runs
+    /// alone, so that a prompt whose body is fully cached, partial tail included, still
+    /// repeats the cold run. In the default mode a hit equals a cold run within rounding
+    /// anyway, so passes count from where prefill started (and from each prefill break): a
+    /// warm prompt's new tokens run in one pass wherever they sit (a 19-token tail that
+    /// crossed position 4096 took two passes), and a cold run with a break at the hit's
+    /// length still repeats the warm run exactly. The last token joins the body's last chunk
+    /// (one pass over the weights fewer for every prompt).
     pub fn prefill_step(&mut self, model: &LoadedModel, on_block: BlockSink<'_>) -> Result<()> {
         if self.prune.is_some() || self.kept.is_some() {
             return self.pruned_prefill_step(model);
@@ -326,7 +341,8 @@ impl Sequence {
         let len = self.req.prompt.len();
         let body = len - 1;
         let end = if at < body {
-            let next_chunk = (at / self.chunk + 1) * self.chunk;
+            let origin = self.pass_origin;
+            let next_chunk = origin + ((at - origin) / self.chunk + 1) * self.chunk;
             let next_break = self
                 .req
                 .prefill_breaks
@@ -371,6 +387,9 @@ impl Sequence {
         self.phases.compute += started.elapsed();
         drop(compute);
         self.prefilled = end;
+        if !self.last_token_alone && self.req.prefill_breaks.contains(&end) {
+            self.pass_origin = end;
+        }
         let storing = on_block.is_some();
         if let Some(sink) = on_block {
             let finished = self.blocks_finished(at, end);
