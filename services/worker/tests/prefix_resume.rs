@@ -294,3 +294,53 @@ fn the_next_turn_resumes_from_the_parked_cache_of_the_previous_one() {
         .unwrap();
     assert_eq!(parked.unwrap().tokens, first);
 }
+
+/// A parked cache that holds fewer of a prompt's tokens than the cached blocks give takes the
+/// rest from the blocks into its own buffers (no fresh import of the whole prefix), and the
+/// answer is the cold run's.
+#[test]
+fn a_parked_cache_shorter_than_the_blocks_takes_the_rest_from_them() {
+    let m = model();
+    let options = EngineOptions::default();
+    let first = prompt(&m, BLOCK + 200);
+    let req = GenerateRequest::greedy(first.clone(), 4);
+    let (_, blocks) = run(&m, &req, &options, &[]);
+    assert_eq!(shape(&blocks), [(0, 256), (1, 199)]);
+    let (_, parked) = m
+        .generate_parking(&req, &options, Prefix::default(), |_| true)
+        .unwrap();
+
+    let mut next = first.clone();
+    next.extend(prompt(&m, 40));
+    let mut req2 = GenerateRequest::greedy(next, 12);
+    req2.sampling.logprobs = Some(0);
+    let (cold, _) = run(&m, &req2, &options, &[]);
+    // Resumed at 100 tokens (as if another prompt had cut it back), inside the first block.
+    let warm = m
+        .generate_with_prefix(
+            &req2,
+            &options,
+            Prefix {
+                cached: &kv(&blocks),
+                on_block: None,
+                resume: Some(Resume {
+                    tokens: 100,
+                    parked: parked.expect("a llama-family cache parks"),
+                }),
+            },
+            |_| true,
+        )
+        .unwrap();
+    assert_eq!(warm.cached_tokens, BLOCK + 199);
+    // Appended to the parked cache, not imported instead (that would say so).
+    assert!(warm.notices.is_empty(), "{:?}", warm.notices);
+    assert_eq!(warm.tokens, cold.tokens);
+    for (i, (w, c)) in warm.logprobs.iter().zip(&cold.logprobs).enumerate() {
+        let (w, c) = (w.logprob.unwrap(), c.logprob.unwrap());
+        // As in the test above: another chunk shape rounds differently (~1e-5 measured).
+        assert!(
+            (w - c).abs() < 1e-3,
+            "token {i}: logprob {w} resumed, {c} cold"
+        );
+    }
+}

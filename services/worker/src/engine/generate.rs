@@ -108,11 +108,13 @@ pub struct Timings {
     pub phases: PrefillPhases,
 }
 
-/// Where a request's prefill time went, for the log, the trace and `bench_gpu.py`: the
+/// Where a request's prefill time went, for the log, the trace and `bench_gpu.py`: turning
+/// cached KV into the sequence's cache (import of blocks, or cutting back a parked cache), the
 /// forward passes (device time included, as each pass ends by evaluating its output), reading
 /// finished blocks' KV back from the device, and handing them to the cache (checksum, L0).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct PrefillPhases {
+    pub import: Duration,
     pub passes: usize,
     pub compute: Duration,
     pub export: Duration,

@@ -331,7 +331,7 @@ impl KvCache {
         let end = needed as i32;
         let step = self.step_tokens;
         let layout = self.layout;
-        let grow_to = needed.div_ceil(step) * step;
+        let grow_to = grown_capacity(needed, step, slot.is_some());
         match slot {
             Some(kv) if (kv.keys.shape()[2] as usize) >= needed => {}
             _ => {
@@ -387,7 +387,7 @@ impl KvCache {
         for slot in &mut self.layers {
             let first = slot.as_ref().map_or(0, |kv| kv.first);
             let needed = len - first + t;
-            let grow_to = needed.div_ceil(step) * step;
+            let grow_to = grown_capacity(needed, step, slot.is_some());
             let held = (len - first) as i32;
             if matches!(slot, Some(kv) if kv.keys.shape()[2] as usize >= needed) {
                 continue;
@@ -907,6 +907,77 @@ impl KvCache {
         self.len = total;
         Ok(())
     }
+
+    /// Appends the rows of `parts` (consecutive from token 0, in `export`'s layout, each with
+    /// the number of its leading rows to use) that this cache does not hold yet: a parked
+    /// cache that holds the first tokens of a prompt takes the rest from cached blocks in its
+    /// own buffers, instead of a fresh import of the whole prefix. Attention-only caches.
+    pub fn append_from_parts(&mut self, parts: &[(&[u8], usize)]) -> Result<()> {
+        let l = self.layout;
+        if l.recurrent.is_some() || l.window.is_some() || self.skipped > 0 {
+            return Err(EngineError::Config(
+                "rows from blocks are appended to plain attention caches only".into(),
+            ));
+        }
+        let total: usize = parts.iter().map(|(_, t)| t).sum();
+        let from = self.len;
+        if total <= from {
+            return Ok(());
+        }
+        let n = total - from;
+        let row = l.head_dim * dtype_bytes(l.dtype);
+        // (KV bytes of a part, rows it holds, its first row to take, rows to take)
+        let mut pieces = Vec::new();
+        let mut start = 0;
+        for &(bytes, tokens) in parts {
+            let (held, kv) = l
+                .block_rows(bytes)
+                .filter(|(held, _)| *held >= tokens)
+                .ok_or_else(|| {
+                    EngineError::Config(format!(
+                        "a cached part of {} bytes does not hold {tokens} rows",
+                        bytes.len()
+                    ))
+                })?;
+            let end = start + tokens;
+            if end > from {
+                let skip = from.saturating_sub(start);
+                pieces.push((kv, held, skip, tokens - skip));
+            }
+            start = end;
+        }
+        let shape = [1, l.kv_heads as i32, n as i32, l.head_dim as i32];
+        let mut buf = vec![0u8; l.kv_heads * n * row];
+        for layer in 0..l.num_layers {
+            let mut pair = Vec::with_capacity(2);
+            for kv in 0..2 {
+                let mut at = 0;
+                for &(bytes, held, skip, take) in &pieces {
+                    let per_buf = held * l.kv_heads * row;
+                    let src = &bytes[(2 * layer + kv) * per_buf..(2 * layer + kv + 1) * per_buf];
+                    for h in 0..l.kv_heads {
+                        let to = (h * n + at) * row;
+                        let first = (h * held + skip) * row;
+                        buf[to..to + take * row].copy_from_slice(&src[first..first + take * row]);
+                    }
+                    at += take;
+                }
+                pair.push(array_from_bytes(&buf, &shape, l.dtype)?);
+            }
+            self.append(layer, &pair[0], &pair[1])?;
+        }
+        self.advance(n);
+        Ok(())
+    }
+}
+
+/// Rows a layer's buffers are given when `needed` rows do not fit: whole steps, plus an
+/// eighth of what they hold when they grow (not when first made), so that a cache that grows
+/// by a few tokens at a time (decode, a conversation's next turns resuming a parked cache)
+/// copies itself into fresh memory once per eighth of its length, not once per step.
+fn grown_capacity(needed: usize, step: usize, growing: bool) -> usize {
+    let headroom = if growing { needed / 8 } else { 0 };
+    (needed + headroom).div_ceil(step) * step
 }
 
 /// The bytes of an evaluated array in its own dtype.
@@ -1012,6 +1083,45 @@ fn view_as(raw: &Array, dtype: Dtype) -> Result<Array> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A cache holding a prompt's first rows (a parked cache cut back) takes the rest from the
+    /// blocks, in its own buffers: the same KV as importing the blocks whole, across a growth
+    /// of its buffers, and starting inside a block.
+    #[test]
+    fn rows_appended_from_blocks_equal_the_blocks_imported_whole() {
+        let layout = KvLayout {
+            num_layers: 2,
+            kv_heads: 2,
+            head_dim: 4,
+            dtype: Dtype::Float32,
+            window: None,
+            recurrent: None,
+        };
+        let values = |n: usize, seed: f32| -> Vec<u8> {
+            (0..n * layout.bytes_per_token() / 4)
+                .flat_map(|i| (i as f32 * 0.25 + seed).to_le_bytes())
+                .collect()
+        };
+        let (a, b, c) = (values(4, 0.0), values(4, 100.0), values(6, 200.0));
+        let parts = [(&a[..], 4), (&b[..], 4), (&c[..], 5)];
+        let mut whole = KvCache::new(layout, 4);
+        whole.import_all(&parts, 1).unwrap();
+        for held in [0, 3, 4, 6] {
+            let mut cache = KvCache::new(layout, 4);
+            cache.import_all(&[(&a[..], 4), (&b[..], 4)], 1).unwrap();
+            cache.truncate(held).unwrap();
+            cache.append_from_parts(&parts).unwrap();
+            assert_eq!(cache.len(), 13, "from {held}");
+            assert_eq!(
+                cache.export(0, 13).unwrap(),
+                whole.export(0, 13).unwrap(),
+                "from {held}"
+            );
+        }
+        // A part that does not hold the rows asked for is refused.
+        let mut cache = KvCache::new(layout, 4);
+        assert!(cache.append_from_parts(&[(&a[..], 5)]).is_err());
+    }
 
     /// The leading rows of a longer block are the KV of those tokens: importing 3 of a 5-row
     /// block gives what exporting the first 3 rows gave.

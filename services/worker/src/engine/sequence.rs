@@ -204,6 +204,7 @@ impl Sequence {
         }
         let mut imported = covered;
         let mut stored_blocks = covered / block;
+        let import_started = Instant::now();
         let resume = resume.filter(|r| {
             prune.is_none()
                 && r.tokens > 0
@@ -216,8 +217,26 @@ impl Sequence {
             // The parked cache's first rows are this prompt's KV (same model, same token
             // ids at the same positions): keep them, forget the rest. Its whole blocks not yet
             // stored (those of its answer) go to the cache with this prompt's first pass.
+            // Where cached blocks give more, their further rows are appended to it (they are
+            // all in the cache already).
             let mut parked = r.parked.cache;
             match parked.truncate(r.tokens) {
+                Ok(()) if covered > r.tokens => match parked.append_from_parts(&usable) {
+                    Ok(()) => {
+                        cache = parked;
+                        stored_blocks = covered / block;
+                        resumed = true;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cached rows could not be appended to a parked KV cache; importing them");
+                        notices.push(Notice {
+                            feature: "parked_kv".into(),
+                            message: format!(
+                                "the cached rows could not be appended to the parked KV cache ({e}): the blocks were imported instead"
+                            ),
+                        });
+                    }
+                },
                 Ok(()) => {
                     cache = parked;
                     imported = r.tokens;
@@ -281,7 +300,10 @@ impl Sequence {
             has_pending: false,
             started: Instant::now(),
             prefill_time: None,
-            phases: PrefillPhases::default(),
+            phases: PrefillPhases {
+                import: import_started.elapsed(),
+                ..PrefillPhases::default()
+            },
             ttft: None,
             finish: None,
             cache_tokens,

@@ -429,6 +429,7 @@ fn retire<M: BatchModel>(model: &M, mut a: Active<M::Seq>, c: &Counters) {
                     prompt_tokens = g.prompt_tokens,
                     cached_tokens = g.cached_tokens,
                     prefill_ms = ms(g.timings.prefill),
+                    import_ms = ms(p.import),
                     passes = p.passes,
                     compute_ms = ms(p.compute),
                     export_ms = ms(p.export),
