@@ -946,6 +946,41 @@ impl KvCache {
             }
             start = end;
         }
+        if l.dtype == Dtype::Float32 && crate::mlx_device::default_device_kind() == "cpu" {
+            // Written in place, as host passes write their rows: MLX's slice update would copy
+            // the whole buffer into fresh memory unless it could donate it.
+            let (heads, dim) = (l.kv_heads, l.head_dim);
+            let width = heads * dim;
+            let mut host = self.host_rows(n)?;
+            let (mut keys, mut values) = (vec![0f32; n * width], vec![0f32; n * width]);
+            for layer in 0..l.num_layers {
+                for (kv, out) in [(0, &mut keys), (1, &mut values)] {
+                    let mut at = 0;
+                    for &(bytes, held, skip, take) in &pieces {
+                        let per_buf = held * heads * row;
+                        let src =
+                            &bytes[(2 * layer + kv) * per_buf..(2 * layer + kv + 1) * per_buf];
+                        for h in 0..heads {
+                            for r in 0..take {
+                                let from = (h * held + skip + r) * row;
+                                let to = (at + r) * width + h * dim;
+                                for (x, b) in out[to..to + dim]
+                                    .iter_mut()
+                                    .zip(src[from..from + row].chunks_exact(4))
+                                {
+                                    *x = f32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
+                                }
+                            }
+                        }
+                        at += take;
+                    }
+                }
+                host.write(layer, &keys, &values)?;
+            }
+            drop(host);
+            self.advance(n);
+            return Ok(());
+        }
         let shape = [1, l.kv_heads as i32, n as i32, l.head_dim as i32];
         let mut buf = vec![0u8; l.kv_heads * n * row];
         for layer in 0..l.num_layers {
@@ -1089,17 +1124,32 @@ mod tests {
     /// of its buffers, and starting inside a block.
     #[test]
     fn rows_appended_from_blocks_equal_the_blocks_imported_whole() {
+        // f32 is written in place on the CPU; f16 goes through MLX's slice update.
+        for dtype in [Dtype::Float32, Dtype::Float16] {
+            rows_appended_from_blocks_in(dtype);
+        }
+    }
+
+    fn rows_appended_from_blocks_in(dtype: Dtype) {
         let layout = KvLayout {
             num_layers: 2,
             kv_heads: 2,
             head_dim: 4,
-            dtype: Dtype::Float32,
+            dtype,
             window: None,
             recurrent: None,
         };
         let values = |n: usize, seed: f32| -> Vec<u8> {
-            (0..n * layout.bytes_per_token() / 4)
-                .flat_map(|i| (i as f32 * 0.25 + seed).to_le_bytes())
+            let count = n * layout.bytes_per_token() / dtype_bytes(dtype);
+            (0..count)
+                .flat_map(|i| {
+                    let x = i as f32 * 0.25 + seed;
+                    if dtype == Dtype::Float32 {
+                        x.to_le_bytes().to_vec()
+                    } else {
+                        half::f16::from_f32(x).to_le_bytes().to_vec()
+                    }
+                })
                 .collect()
         };
         let (a, b, c) = (values(4, 0.0), values(4, 100.0), values(6, 200.0));
