@@ -363,7 +363,7 @@ def warm_up(c, seed):
     second request is a one-token pass over a cached prompt: both use kernels that a single
     4K pass does not (Strata's first warm hit at 8K took 0.41-0.56 s, all of it in its
     one-token pass, after a 4K warm-up of one pass, against 0.05 s at 32K)."""
-    ids = prompt_ids(6144, seed=seed)
+    ids = prompt_ids(int(os.environ.get("WARMUP_TOKENS", "6144")), seed=seed)
     c.complete(ids, 2)
     c.complete(ids, 2)
 
