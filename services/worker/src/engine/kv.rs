@@ -576,7 +576,19 @@ impl KvCache {
     /// synchronisation with the device, and a prefill pass of many blocks exports them all
     /// at once.
     pub fn export_ranges(&self, ranges: &[std::ops::Range<usize>]) -> Result<Vec<Vec<u8>>> {
-        let mut slices = Vec::with_capacity(2 * self.layers.len() * ranges.len());
+        self.export_ranges_with(ranges, crate::device_copy::uses_driver())
+    }
+
+    /// `export_ranges`, with each block's payload gathered on the device first where
+    /// `gathered` (CUDA): the read-back is then one driver copy per block instead of one per
+    /// layer, K/V and block (1,792 copies of 131 KB for an 8K-token Qwen2.5-1.5B prompt ran at
+    /// 1.1 GB/s on an H100, 200 ms of a 300 ms cold request). On the CPU the gather would be
+    /// one more copy of every byte, so the slices are read as they are.
+    fn export_ranges_with(
+        &self,
+        ranges: &[std::ops::Range<usize>],
+        gathered: bool,
+    ) -> Result<Vec<Vec<u8>>> {
         for range in ranges {
             let (start, end) = (range.start, range.end);
             if start > end || end > self.len {
@@ -596,7 +608,18 @@ impl KvCache {
                         kv.first
                     )));
                 }
-                let (from, to) = ((start - kv.first) as i32, (end - kv.first) as i32);
+            }
+        }
+        if gathered {
+            return self.export_gathered(ranges);
+        }
+        let mut slices = Vec::with_capacity(2 * self.layers.len() * ranges.len());
+        for range in ranges {
+            for kv in self.layers.iter().flatten() {
+                let (from, to) = (
+                    (range.start - kv.first) as i32,
+                    (range.end - kv.first) as i32,
+                );
                 for buf in [&kv.keys, &kv.values] {
                     slices.push(
                         buf.try_index((.., .., from..to, ..))?
@@ -618,37 +641,111 @@ impl KvCache {
         Ok(out)
     }
 
+    /// The ranges (checked by the caller) with each run of consecutive ranges of one length
+    /// gathered into one device array, a row per range in `export`'s order (layer, K then V,
+    /// head, token, dim), so that a block comes back in one copy.
+    fn export_gathered(&self, ranges: &[std::ops::Range<usize>]) -> Result<Vec<Vec<u8>>> {
+        // (first range's start, tokens per range, ranges) for each run.
+        let mut runs: Vec<(usize, usize, usize)> = Vec::new();
+        for range in ranges {
+            match runs.last_mut() {
+                Some((start, len, count))
+                    if *len == range.len() && *len > 0 && *start + *len * *count == range.start =>
+                {
+                    *count += 1
+                }
+                _ => runs.push((range.start, range.len(), 1)),
+            }
+        }
+        let mut rows = Vec::with_capacity(runs.len());
+        for &(start, len, count) in &runs {
+            if len == 0 {
+                rows.push(None);
+                continue;
+            }
+            let mut parts = Vec::with_capacity(2 * self.layers.len());
+            for kv in self.layers.iter().flatten() {
+                let from = (start - kv.first) as i32;
+                let to = from + (len * count) as i32;
+                for buf in [&kv.keys, &kv.values] {
+                    let rows = buf.try_index((.., .., from..to, ..))?;
+                    let (heads, dim) = (rows.dim(1), rows.dim(3));
+                    parts.push(
+                        rows.reshape(&[heads, count as i32, len as i32, dim])?
+                            .transpose_axes(&[1, 0, 2, 3])?
+                            .reshape(&[count as i32, -1])?,
+                    );
+                }
+            }
+            rows.push(Some(concatenate(&parts, 1)?.view::<u8>()?));
+        }
+        let evaluated: Vec<&Array> = rows.iter().flatten().collect();
+        mlx_rs::transforms::eval(evaluated)?;
+        let mut out = Vec::with_capacity(ranges.len());
+        for (&(start, len, count), row) in runs.iter().zip(&rows) {
+            let bytes = match row {
+                Some(a) => a
+                    .try_as_slice::<u8>()
+                    .map_err(|e| EngineError::Mlx(format!("reading KV bytes: {e}")))?,
+                None => &[],
+            };
+            let per = len * self.layout.bytes_per_token();
+            if bytes.len() != per * count {
+                return Err(EngineError::Config(format!(
+                    "gathered KV of {} bytes for {count} blocks of {per}",
+                    bytes.len()
+                )));
+            }
+            for i in 0..count {
+                let end = start + (i + 1) * len;
+                let mut block = Vec::with_capacity(self.layout.block_bytes(len));
+                crate::device_copy::append(&mut block, &bytes[i * per..(i + 1) * per]);
+                self.append_snapshot(end, &mut block)?;
+                out.push(block);
+            }
+        }
+        Ok(out)
+    }
+
     /// A block's payload: its evaluated K/V slices, then (hybrid models) the recurrent states
     /// at its last token.
     fn block_bytes(&self, start: usize, end: usize, slices: &[Array]) -> Result<Vec<u8>> {
         let per_token = self.layout.bytes_per_token();
         let mut out = Vec::with_capacity(self.layout.block_bytes(end - start));
-        for slice in slices {
+        // An empty slice has no data pointer to read.
+        for slice in slices.iter().filter(|s| s.size() > 0) {
             let bytes = slice
                 .try_as_slice::<u8>()
                 .map_err(|e| EngineError::Mlx(format!("reading KV bytes: {e}")))?;
             crate::device_copy::append(&mut out, bytes);
         }
         debug_assert_eq!(out.len(), (end - start) * per_token);
-        if self.layout.recurrent.is_some() {
-            // A block that ends where the sequence is takes the live states.
-            let live = (end == self.len).then_some(&self.recurrent);
-            let snapshot = self
-                .snapshots
-                .get(&end)
-                .filter(|_| self.has_snapshot(end))
-                .or(live)
-                .ok_or_else(|| {
-                    EngineError::Config(format!(
-                        "no snapshot of the recurrent layers at token {end}: a block cannot \
-                         end there"
-                    ))
-                })?;
-            for layer in snapshot {
-                out.extend(layer.iter().flat_map(|x| x.to_le_bytes()));
-            }
-        }
+        self.append_snapshot(end, &mut out)?;
         Ok(out)
+    }
+
+    /// Appends (hybrid models) the recurrent states at token `end` to a block's payload.
+    fn append_snapshot(&self, end: usize, out: &mut Vec<u8>) -> Result<()> {
+        if self.layout.recurrent.is_none() {
+            return Ok(());
+        }
+        // A block that ends where the sequence is takes the live states.
+        let live = (end == self.len).then_some(&self.recurrent);
+        let snapshot = self
+            .snapshots
+            .get(&end)
+            .filter(|_| self.has_snapshot(end))
+            .or(live)
+            .ok_or_else(|| {
+                EngineError::Config(format!(
+                    "no snapshot of the recurrent layers at token {end}: a block cannot end \
+                     there"
+                ))
+            })?;
+        for layer in snapshot {
+            out.extend(layer.iter().flat_map(|x| x.to_le_bytes()));
+        }
+        Ok(())
     }
 
     /// Restores every recurrent layer's state from a snapshot in `export`'s layout.
@@ -1210,16 +1307,28 @@ mod tests {
     /// the order asked, partial and overlapping ranges included; a range past the end fails.
     #[test]
     fn ranges_exported_together_equal_each_exported_alone() {
+        for dtype in [Dtype::Float32, Dtype::Float16] {
+            ranges_exported_together_in(dtype);
+        }
+    }
+
+    fn ranges_exported_together_in(dtype: Dtype) {
         let layout = KvLayout {
             num_layers: 2,
             kv_heads: 2,
             head_dim: 4,
-            dtype: Dtype::Float32,
+            dtype,
             window: None,
             recurrent: None,
         };
-        let bytes: Vec<u8> = (0..9 * layout.bytes_per_token() / 4)
-            .flat_map(|i| (i as f32 * 0.25 - 3.0).to_le_bytes())
+        let bytes: Vec<u8> = (0..9 * layout.bytes_per_token() / dtype_bytes(dtype))
+            .flat_map(|i| {
+                let x = i as f32 * 0.25 - 3.0;
+                match dtype {
+                    Dtype::Float16 => half::f16::from_f32(x).to_le_bytes().to_vec(),
+                    _ => x.to_le_bytes().to_vec(),
+                }
+            })
             .collect();
         let mut cache = KvCache::new(layout, 16);
         cache.import_all(&[(&bytes, 9)], 1).unwrap();
@@ -1233,6 +1342,16 @@ mod tests {
         // A range over all that was imported gives the imported bytes back.
         assert_eq!(together[4], bytes);
         assert!(cache.export_ranges(&[0..4, 8..10]).is_err());
+        // Gathered on the device first (as on CUDA), runs of blocks included, the bytes are
+        // the same.
+        for ranges in [
+            &ranges[..],
+            &[0..2, 2..4, 4..6, 6..8, 8..9, 9..9, 3..5, 5..7],
+        ] {
+            let gathered = cache.export_ranges_with(ranges, true).unwrap();
+            assert_eq!(gathered, cache.export_ranges_with(ranges, false).unwrap());
+        }
+        assert!(cache.export_ranges_with(&[0..4, 8..10], true).is_err());
     }
 
     /// A hybrid model's block carries the recurrent states at its end: importing blocks
@@ -1282,6 +1401,12 @@ mod tests {
         assert_eq!(tail.len(), 2 * 4 * 4 * 2 + recurrent.snapshot_bytes());
         // No snapshot after 5 tokens: no block ends there.
         assert!(cache.export(0, 5).is_err());
+        // Gathered on the device, each block still ends with its own states.
+        assert_eq!(
+            cache.export_ranges_with(&[0..4, 4..6, 4..7], true).unwrap(),
+            vec![whole.clone(), tail.clone(), live.clone()]
+        );
+        assert!(cache.export_ranges_with(&[0..5], true).is_err());
 
         let mut resumed = KvCache::new(layout, 16);
         resumed.import_all(&[(&whole, 4), (&tail, 2)], 1).unwrap();
