@@ -7,6 +7,7 @@
 //! when the service comes back.
 
 mod cost;
+mod finisher;
 mod l0;
 mod parking;
 mod remote;
@@ -26,6 +27,7 @@ use crate::engine::kv::KvLayout;
 use crate::engine::sequence::{FinishedBlock, Resume};
 use crate::kv_quant::{self, KvQuant};
 pub use cost::CostModel;
+use finisher::Finisher;
 use l0::L0;
 pub use parking::{ParkFn, Parking};
 use remote::{store_loop, tier_name};
@@ -140,6 +142,9 @@ pub struct PrefixCache {
     /// Finished sequences' live KV caches, resumed before any block is fetched (see
     /// `parking`). None in `cache.exact` and for models whose caches cannot be cut back.
     parking: Option<Parking>,
+    /// Finishes the blocks sequences hand over, off the engine thread; readers of `l0` and
+    /// `in_flight` wait for it first.
+    finisher: Finisher,
 }
 
 /// Payloads of blocks on their way to the cache service, by key.
@@ -221,6 +226,7 @@ impl PrefixCache {
             cost: Arc::new(Mutex::new(CostModel::default())),
             reuse: Reuse::CommonPrefix,
             parking: None,
+            finisher: Finisher::start(),
         }
     }
 
@@ -244,6 +250,7 @@ impl PrefixCache {
     /// not lost with the process. Returns how many were still pending.
     pub async fn drain_stores(&self, within: Duration) -> u64 {
         let deadline = tokio::time::Instant::now() + within;
+        self.finisher.idle().await;
         loop {
             let pending = self.stats.blocks_store_pending.load(Ordering::Relaxed);
             if pending == 0 || tokio::time::Instant::now() >= deadline {
@@ -264,6 +271,7 @@ impl PrefixCache {
     }
 
     pub fn stats_message(&self) -> strata_proto::worker::PrefixCacheStats {
+        self.finisher.idle_blocking();
         let s = &self.stats;
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         let cost = *lock(&self.cost);
@@ -339,6 +347,7 @@ impl PrefixCache {
     /// prompt token is never covered (the engine computes it for the first token's logits).
     /// Also prepares the sink for the blocks the sequence will finish.
     pub async fn prepare(&self, prompt: &[u32]) -> Prepared {
+        self.finisher.idle().await;
         let b = self.block_tokens;
         let keys = self.keys(prompt);
         let body = prompt.len().saturating_sub(1);
@@ -512,8 +521,9 @@ impl PrefixCache {
         }
     }
 
-    /// Where a sequence's finished blocks go: L0 at once, the cache service asynchronously
-    /// (dropped, and counted, if the store queue is full: decode never waits). The chain of
+    /// Where a sequence's finished blocks go: L0 as soon as the finisher thread has them (every
+    /// reader waits for it), the cache service asynchronously (dropped, and counted, if the
+    /// store queue is full: decode never waits). The chain of
     /// keys grows with blocks of generated tokens in the opt-in mode.
     fn sink(&self, prompt: &[u32], mut chain: Vec<BlockKey>) -> BlockSinkFn {
         let this = self.clone();
@@ -534,63 +544,71 @@ impl PrefixCache {
                 // Not this prompt's block: never store it under another key.
                 return;
             }
-            let payload = match this.quant {
-                None => block.bytes,
-                Some(q) => match kv_quant::encode(q, this.dtype, &block.bytes) {
-                    Ok(p) => p,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "block not cached: quantising it failed");
-                        return;
-                    }
-                },
-            };
-            let mut made = make_block_of(
-                &this.namespace,
-                parent.as_ref(),
-                block.tokens.clone(),
-                b as u32,
-                this.layout,
-                payload,
-            );
-            if let (Some(q), Some(h)) = (this.quant, made.header.as_mut()) {
-                h.kv_quant = q.scheme().to_string();
-            }
-            if let Some((layers, floats)) = this.recurrent {
-                made = with_recurrent_state(made, layers, floats);
-            }
-            let under = parent.unwrap_or_else(|| root_of(&this.namespace));
-            lock(&this.l0).insert(under, block.tokens, key, made.payload.clone());
-            tracing::trace!(index = block.index, partial, prompt_len, "block finished");
-            if this.client.is_none() {
-                return;
-            }
-            this.stats
-                .blocks_store_pending
-                .fetch_add(1, Ordering::Relaxed);
-            if !partial {
-                lock(&this.in_flight).insert(key, made.payload.clone());
-            }
-            if this
-                .store
-                .try_send((key, made, request_span.clone()))
-                .is_err()
-            {
-                if !partial {
-                    lock(&this.in_flight).remove(&key);
+            // The rest (checksum, quantising, L0, the store queue) is the finisher's: the
+            // engine goes on at once (see `finisher`).
+            let cache = this.clone();
+            let request_span = request_span.clone();
+            this.finisher.submit(move || {
+                let this = cache;
+                let payload = match this.quant {
+                    None => block.bytes,
+                    Some(q) => match kv_quant::encode(q, this.dtype, &block.bytes) {
+                        Ok(p) => p,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "block not cached: quantising it failed");
+                            return;
+                        }
+                    },
+                };
+                let mut made = make_block_of(
+                    &this.namespace,
+                    parent.as_ref(),
+                    block.tokens.clone(),
+                    b as u32,
+                    this.layout,
+                    payload,
+                );
+                if let (Some(q), Some(h)) = (this.quant, made.header.as_mut()) {
+                    h.kv_quant = q.scheme().to_string();
+                }
+                if let Some((layers, floats)) = this.recurrent {
+                    made = with_recurrent_state(made, layers, floats);
+                }
+                let under = parent.unwrap_or_else(|| root_of(&this.namespace));
+                lock(&this.l0).insert(under, block.tokens, key, made.payload.clone());
+                tracing::trace!(index = block.index, partial, prompt_len, "block finished");
+                if this.client.is_none() {
+                    return;
                 }
                 this.stats
                     .blocks_store_pending
-                    .fetch_sub(1, Ordering::Relaxed);
-                this.stats
-                    .blocks_store_dropped
                     .fetch_add(1, Ordering::Relaxed);
-            }
+                if !partial {
+                    lock(&this.in_flight).insert(key, made.payload.clone());
+                }
+                if this
+                    .store
+                    .try_send((key, made, request_span.clone()))
+                    .is_err()
+                {
+                    if !partial {
+                        lock(&this.in_flight).remove(&key);
+                    }
+                    this.stats
+                        .blocks_store_pending
+                        .fetch_sub(1, Ordering::Relaxed);
+                    this.stats
+                        .blocks_store_dropped
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+            });
         })
     }
 
     /// Drops every block of L0 (shared by all tenant views) and every parked cache; returns
     /// how many blocks went.
     pub fn clear_l0(&self) -> u64 {
+        self.finisher.idle_blocking();
         if let Some(p) = &self.parking {
             p.clear();
         }
@@ -604,6 +622,7 @@ impl PrefixCache {
         &self,
         prompt: &[u32],
     ) -> (Vec<&'static str>, Option<(&'static str, usize)>) {
+        self.finisher.idle().await;
         let b = self.block_tokens;
         let keys = self.keys(prompt);
         let body = prompt.len().saturating_sub(1);
@@ -717,6 +736,7 @@ mod tests {
             tokens: prompt[..4].to_vec(),
             bytes: bytes.clone(),
         });
+        q8.finisher.idle().await;
         let stored = lock(&q8.l0).used_bytes() as usize;
         assert_eq!(stored, KvQuant::Q8.encoded_len(values.len()));
         assert!(stored * 3 < bytes.len());
