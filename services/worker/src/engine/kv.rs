@@ -1406,7 +1406,11 @@ mod tests {
             cache.export_ranges_with(&[0..4, 4..6, 4..7], true).unwrap(),
             vec![whole.clone(), tail.clone(), live.clone()]
         );
-        assert!(cache.export_ranges_with(&[0..5], true).is_err());
+        assert!(
+            cache
+                .export_ranges_with(std::slice::from_ref(&(0..5)), true)
+                .is_err()
+        );
 
         let mut resumed = KvCache::new(layout, 16);
         resumed.import_all(&[(&whole, 4), (&tail, 2)], 1).unwrap();
