@@ -20,6 +20,7 @@ use mlx_rs::ops::indexing::{TryIndexMutOp, TryIndexOp};
 use mlx_rs::ops::{concatenate, zeros_dtype};
 use mlx_rs::{Array, Dtype};
 
+use super::kv_payload::{EvaluatedRows, KvPayload};
 use super::policy::dtype_bytes;
 use super::{EngineError, Result};
 
@@ -567,28 +568,30 @@ impl KvCache {
     /// Tokens `[start, end)` of every layer as one contiguous byte buffer in the live dtype,
     /// ordered layer, K then V, head, token, dim.
     pub fn export(&self, start: usize, end: usize) -> Result<Vec<u8>> {
-        let mut all = self.export_ranges(std::slice::from_ref(&(start..end)))?;
+        let mut all = self.export_ranges_with(std::slice::from_ref(&(start..end)), false)?;
         all.pop()
-            .ok_or_else(|| EngineError::Config("export of no range".into()))
+            .ok_or_else(|| EngineError::Config("export of no range".into()))?
+            .into_vec()
     }
 
     /// `export` of several token ranges with one evaluation: on a GPU each evaluation is a
     /// synchronisation with the device, and a prefill pass of many blocks exports them all
     /// at once.
-    pub fn export_ranges(&self, ranges: &[std::ops::Range<usize>]) -> Result<Vec<Vec<u8>>> {
+    pub fn export_ranges(&self, ranges: &[std::ops::Range<usize>]) -> Result<Vec<KvPayload>> {
         self.export_ranges_with(ranges, crate::device_copy::uses_driver())
     }
 
-    /// `export_ranges`, with each block's payload gathered on the device first where
-    /// `gathered` (CUDA): the read-back is then one driver copy per block instead of one per
-    /// layer, K/V and block (1,792 copies of 131 KB for an 8K-token Qwen2.5-1.5B prompt ran at
-    /// 1.1 GB/s on an H100, 200 ms of a 300 ms cold request). On the CPU the gather would be
-    /// one more copy of every byte, so the slices are read as they are.
+    /// `export_ranges`, with each block's payload gathered on the device where `gathered`
+    /// (CUDA) and left there for whoever takes the block (see `KvPayload`); a block's
+    /// read-back is then one driver copy instead of one per layer and K/V (1,792 copies of
+    /// 131 KB for an 8K-token Qwen2.5-1.5B prompt ran at 1.1 GB/s on an H100, 200 ms of a
+    /// 300 ms cold request). On the CPU the gather would be one more copy of every byte, so
+    /// the slices are read at once as they are.
     fn export_ranges_with(
         &self,
         ranges: &[std::ops::Range<usize>],
         gathered: bool,
-    ) -> Result<Vec<Vec<u8>>> {
+    ) -> Result<Vec<KvPayload>> {
         for range in ranges {
             let (start, end) = (range.start, range.end);
             if start > end || end > self.len {
@@ -636,7 +639,7 @@ impl KvCache {
         let mut out = Vec::with_capacity(ranges.len());
         for (i, range) in ranges.iter().enumerate() {
             let slices = &slices[i * per_range..(i + 1) * per_range];
-            out.push(self.block_bytes(range.start, range.end, slices)?);
+            out.push(self.block_bytes(range.start, range.end, slices)?.into());
         }
         Ok(out)
     }
@@ -644,7 +647,7 @@ impl KvCache {
     /// The ranges (checked by the caller) with each run of consecutive ranges of one length
     /// gathered into one device array, a row per range in `export`'s order (layer, K then V,
     /// head, token, dim), so that a block comes back in one copy.
-    fn export_gathered(&self, ranges: &[std::ops::Range<usize>]) -> Result<Vec<Vec<u8>>> {
+    fn export_gathered(&self, ranges: &[std::ops::Range<usize>]) -> Result<Vec<KvPayload>> {
         // (first range's start, tokens per range, ranges) for each run.
         let mut runs: Vec<(usize, usize, usize)> = Vec::new();
         for range in ranges {
@@ -682,26 +685,29 @@ impl KvCache {
         let evaluated: Vec<&Array> = rows.iter().flatten().collect();
         mlx_rs::transforms::eval(evaluated)?;
         let mut out = Vec::with_capacity(ranges.len());
-        for (&(start, len, count), row) in runs.iter().zip(&rows) {
-            let bytes = match row {
-                Some(a) => a
-                    .try_as_slice::<u8>()
-                    .map_err(|e| EngineError::Mlx(format!("reading KV bytes: {e}")))?,
-                None => &[],
-            };
+        for (&(start, len, count), row) in runs.iter().zip(rows) {
             let per = len * self.layout.bytes_per_token();
-            if bytes.len() != per * count {
+            let Some(row) = row else {
+                let mut block = Vec::new();
+                self.append_snapshot(start, &mut block)?;
+                out.push(block.into());
+                continue;
+            };
+            let shared = EvaluatedRows::new(row);
+            if shared.len() != per * count {
                 return Err(EngineError::Config(format!(
                     "gathered KV of {} bytes for {count} blocks of {per}",
-                    bytes.len()
+                    shared.len()
                 )));
             }
             for i in 0..count {
-                let end = start + (i + 1) * len;
-                let mut block = Vec::with_capacity(self.layout.block_bytes(len));
-                crate::device_copy::append(&mut block, &bytes[i * per..(i + 1) * per]);
-                self.append_snapshot(end, &mut block)?;
-                out.push(block);
+                let mut tail = Vec::new();
+                self.append_snapshot(start + (i + 1) * len, &mut tail)?;
+                out.push(KvPayload::on_device(
+                    shared.clone(),
+                    i * per..(i + 1) * per,
+                    tail,
+                ));
             }
         }
         Ok(out)
@@ -1303,6 +1309,13 @@ mod tests {
         );
     }
 
+    fn host(payloads: Vec<KvPayload>) -> Vec<Vec<u8>> {
+        payloads
+            .into_iter()
+            .map(|p| p.into_vec().unwrap())
+            .collect()
+    }
+
     /// Several ranges exported in one evaluation are each what exporting it alone gives, in
     /// the order asked, partial and overlapping ranges included; a range past the end fails.
     #[test]
@@ -1336,11 +1349,11 @@ mod tests {
         let together = cache.export_ranges(&ranges).unwrap();
         assert_eq!(together.len(), ranges.len());
         for (range, got) in ranges.iter().zip(&together) {
-            assert_eq!(got, &cache.export(range.start, range.end).unwrap());
+            assert_eq!(**got, cache.export(range.start, range.end).unwrap());
             assert_eq!(got.len(), range.len() * layout.bytes_per_token());
         }
         // A range over all that was imported gives the imported bytes back.
-        assert_eq!(together[4], bytes);
+        assert_eq!(*together[4], bytes);
         assert!(cache.export_ranges(&[0..4, 8..10]).is_err());
         // Gathered on the device first (as on CUDA), runs of blocks included, the bytes are
         // the same.
@@ -1348,8 +1361,21 @@ mod tests {
             &ranges[..],
             &[0..2, 2..4, 4..6, 6..8, 8..9, 9..9, 3..5, 5..7],
         ] {
-            let gathered = cache.export_ranges_with(ranges, true).unwrap();
-            assert_eq!(gathered, cache.export_ranges_with(ranges, false).unwrap());
+            let gathered = host(cache.export_ranges_with(ranges, true).unwrap());
+            assert_eq!(
+                gathered,
+                host(cache.export_ranges_with(ranges, false).unwrap())
+            );
+            // Read in place first, then taken: the same bytes.
+            for (payload, bytes) in cache
+                .export_ranges_with(ranges, true)
+                .unwrap()
+                .into_iter()
+                .zip(&gathered)
+            {
+                assert_eq!(&*payload, bytes.as_slice());
+                assert_eq!(&payload.into_vec().unwrap(), bytes);
+            }
         }
         assert!(cache.export_ranges_with(&[0..4, 8..10], true).is_err());
     }
@@ -1403,7 +1429,7 @@ mod tests {
         assert!(cache.export(0, 5).is_err());
         // Gathered on the device, each block still ends with its own states.
         assert_eq!(
-            cache.export_ranges_with(&[0..4, 4..6, 4..7], true).unwrap(),
+            host(cache.export_ranges_with(&[0..4, 4..6, 4..7], true).unwrap()),
             vec![whole.clone(), tail.clone(), live.clone()]
         );
         assert!(

@@ -8,6 +8,7 @@ pub mod generate;
 pub mod gguf;
 pub mod image;
 pub mod kv;
+pub mod kv_payload;
 pub mod llama;
 pub mod llava;
 pub mod loader;

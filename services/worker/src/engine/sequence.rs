@@ -11,6 +11,7 @@ use super::generate::{
     TokenEvent,
 };
 use super::kv::KvCache;
+use super::kv_payload::KvPayload;
 use super::llama::SeqChunk;
 use super::loader::LoadedModel;
 use super::multimodal;
@@ -28,7 +29,8 @@ use mlx_rs::ops::indexing::TryIndexOp;
 pub struct FinishedBlock {
     pub index: usize,
     pub tokens: Vec<u32>,
-    pub bytes: Vec<u8>,
+    /// On CUDA still on the device until taken (see `KvPayload`).
+    pub bytes: KvPayload,
 }
 
 /// Where finished blocks go.
@@ -611,7 +613,7 @@ impl Sequence {
             sink(FinishedBlock {
                 index: i,
                 tokens: all[i * b..(i + 1) * b].to_vec(),
-                bytes: self.cache.export(i * b, (i + 1) * b)?,
+                bytes: self.cache.export(i * b, (i + 1) * b)?.into(),
             });
             self.stored_blocks += 1;
         }
@@ -622,7 +624,7 @@ impl Sequence {
             sink(FinishedBlock {
                 index: done,
                 tokens: all[tail_start..held].to_vec(),
-                bytes: self.cache.export(tail_start, held)?,
+                bytes: self.cache.export(tail_start, held)?.into(),
             });
         }
         Ok(())

@@ -550,9 +550,17 @@ impl PrefixCache {
             let request_span = request_span.clone();
             this.finisher.submit(move || {
                 let this = cache;
+                // On CUDA this is where the block leaves the device.
+                let bytes = match block.bytes.into_vec() {
+                    Ok(b) => b,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "block not cached: reading it back failed");
+                        return;
+                    }
+                };
                 let payload = match this.quant {
-                    None => block.bytes,
-                    Some(q) => match kv_quant::encode(q, this.dtype, &block.bytes) {
+                    None => bytes,
+                    Some(q) => match kv_quant::encode(q, this.dtype, &bytes) {
                         Ok(p) => p,
                         Err(e) => {
                             tracing::warn!(error = %e, "block not cached: quantising it failed");
@@ -734,7 +742,7 @@ mod tests {
         sink(FinishedBlock {
             index: 0,
             tokens: prompt[..4].to_vec(),
-            bytes: bytes.clone(),
+            bytes: bytes.clone().into(),
         });
         q8.finisher.idle().await;
         let stored = lock(&q8.l0).used_bytes() as usize;
