@@ -34,6 +34,22 @@ type CuMemPrefetchAsyncV2 = unsafe extern "C" fn(
     stream: *mut libc::c_void,
 ) -> CuResult;
 
+type CuStreamCreate = unsafe extern "C" fn(stream: *mut *mut libc::c_void, flags: u32) -> CuResult;
+type CuMemcpyAsync =
+    unsafe extern "C" fn(dst: u64, src: u64, bytes: usize, stream: *mut libc::c_void) -> CuResult;
+type CuStreamSynchronize = unsafe extern "C" fn(stream: *mut libc::c_void) -> CuResult;
+
+/// `CU_STREAM_NON_BLOCKING`: a stream that does not wait for the legacy default stream.
+const STREAM_NON_BLOCKING: u32 = 1;
+
+/// A copy on a stream of the calling thread's own.
+#[derive(Clone, Copy)]
+struct SideStream {
+    create: CuStreamCreate,
+    memcpy_async: CuMemcpyAsync,
+    synchronize: CuStreamSynchronize,
+}
+
 /// `CUmemLocation`: where memory should live.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -53,6 +69,7 @@ struct Driver {
     /// Absent from drivers before CUDA 12.2: imports then migrate on demand, as before.
     prefetch: Option<CuMemPrefetchAsyncV2>,
     synchronize: Option<CuCtxSynchronize>,
+    side: Option<SideStream>,
 }
 
 /// Copies that went through the driver, and those that fell back to a direct read.
@@ -94,6 +111,23 @@ fn driver() -> Option<&'static Driver> {
                         .map(|p| std::mem::transmute::<*mut libc::c_void, CuMemPrefetchAsyncV2>(p)),
                     synchronize: sym(c"cuCtxSynchronize")
                         .map(|p| std::mem::transmute::<*mut libc::c_void, CuCtxSynchronize>(p)),
+                    side: match (
+                        sym(c"cuStreamCreate"),
+                        sym(c"cuMemcpyAsync"),
+                        sym(c"cuStreamSynchronize"),
+                    ) {
+                        (Some(c), Some(m), Some(s)) => Some(SideStream {
+                            create: std::mem::transmute::<*mut libc::c_void, CuStreamCreate>(c),
+                            memcpy_async: std::mem::transmute::<*mut libc::c_void, CuMemcpyAsync>(
+                                m,
+                            ),
+                            synchronize: std::mem::transmute::<
+                                *mut libc::c_void,
+                                CuStreamSynchronize,
+                            >(s),
+                        }),
+                        _ => None,
+                    },
                 })
             }
         })
@@ -116,6 +150,84 @@ pub fn append(out: &mut Vec<u8>, src: &[u8]) {
         return;
     }
     out.extend_from_slice(src);
+}
+
+/// `append` for a thread other than the engine's (the block finisher): the copy runs on a
+/// non-blocking stream of this thread's own, so it neither waits for the engine's next pass
+/// nor holds it up, wherever MLX queues its work; the legacy stream's `cuMemcpy` would order
+/// itself with every blocking stream of the context.
+pub fn append_beside(out: &mut Vec<u8>, src: &[u8]) {
+    let at = out.len();
+    out.reserve(src.len());
+    // SAFETY: `out` has room for `src.len()` bytes past `at`, and its length is set only once
+    // the driver reports that it wrote them.
+    if unsafe { side_copy(out.as_mut_ptr().add(at), src) } {
+        unsafe { out.set_len(at + src.len()) };
+        return;
+    }
+    append(out, src);
+}
+
+/// Copies `src` to `dst` on this thread's side stream and waits for it; false if there is no
+/// such stream or the copy failed (the caller then copies another way).
+///
+/// # Safety
+/// `dst` must be valid for writes of `src.len()` bytes.
+unsafe fn side_copy(dst: *mut u8, src: &[u8]) -> bool {
+    let Some(d) = driver() else {
+        return false;
+    };
+    let (Some(side), false) = (d.side, src.is_empty()) else {
+        return false;
+    };
+    let Some(stream) = side_stream(d, side) else {
+        return false;
+    };
+    // SAFETY: as `driver_copy`, on a stream this thread created; the synchronisation makes the
+    // copy complete before `dst` is used.
+    let r = unsafe {
+        match (side.memcpy_async)(dst as u64, src.as_ptr() as u64, src.len(), stream) {
+            0 => (side.synchronize)(stream),
+            e => e,
+        }
+    };
+    if r == 0 {
+        DRIVER_COPIES.fetch_add(1, Ordering::Relaxed);
+        return true;
+    }
+    if FAILED_SIDE_COPIES.fetch_add(1, Ordering::Relaxed) == 0 {
+        tracing::warn!(
+            cuda_error = r,
+            "a copy on the finisher's own CUDA stream failed; copying on the default stream"
+        );
+    }
+    false
+}
+
+/// Copies on a side stream that failed (then made on the default stream).
+pub static FAILED_SIDE_COPIES: AtomicU64 = AtomicU64::new(0);
+
+/// This thread's non-blocking stream, made at its first use (None if it cannot be).
+fn side_stream(d: &Driver, side: SideStream) -> Option<*mut libc::c_void> {
+    thread_local! {
+        /// 0: not made yet; 1: could not be made; else the stream.
+        static STREAM: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    }
+    let held = STREAM.get();
+    if held > 1 {
+        return Some(held as *mut libc::c_void);
+    }
+    if held == 1 {
+        return None;
+    }
+    let mut stream = std::ptr::null_mut();
+    // SAFETY: an out-pointer to a local; the primary context is made current first.
+    let made = unsafe {
+        ensure_context(d);
+        (side.create)(&mut stream, STREAM_NON_BLOCKING) == 0 && stream as usize > 1
+    };
+    STREAM.set(if made { stream as usize } else { 1 });
+    made.then_some(stream)
 }
 
 /// `src` (an evaluated MLX array's floats) in a host vector: a decode step's logits, one row

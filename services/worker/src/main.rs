@@ -764,7 +764,8 @@ fn serving(
             "kv_readback".into(),
             if strata_worker::device_copy::uses_driver() {
                 "CUDA driver bulk copy of finished KV (MLX's managed memory read page by page \
-                 is slower)"
+                 is slower), one copy per block, made by the block finisher on its own stream \
+                 while the engine goes on"
                     .into()
             } else {
                 "direct read (the KV is in host memory, or no CUDA driver is loaded)".into()

@@ -87,7 +87,7 @@ fn copy_out(rows: &EvaluatedRows, at: Range<usize>, tail: &[u8]) -> Result<Vec<u
         ))
     })?;
     let mut out = Vec::with_capacity(kv.len() + tail.len());
-    crate::device_copy::append(&mut out, kv);
+    crate::device_copy::append_beside(&mut out, kv);
     out.extend_from_slice(tail);
     Ok(out)
 }

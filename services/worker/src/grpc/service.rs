@@ -935,6 +935,13 @@ fn live_features(serving: &Serving) -> std::collections::HashMap<String, String>
                 "; so far {driver} copies by the driver, {fallback} read directly after it failed"
             ));
         }
+        let side = crate::device_copy::FAILED_SIDE_COPIES.load(Ordering::Relaxed);
+        if side > 0 {
+            v.push_str(&format!(
+                "; {side} block copies could not use the finisher's own stream (made on the \
+                 default stream, which waits for the engine's work)"
+            ));
+        }
         let (moved, refused) = (
             crate::device_copy::PREFETCHES.load(Ordering::Relaxed),
             crate::device_copy::FAILED_PREFETCHES.load(Ordering::Relaxed),
