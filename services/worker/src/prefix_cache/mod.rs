@@ -347,10 +347,19 @@ impl PrefixCache {
     /// prompt token is never covered (the engine computes it for the first token's logits).
     /// Also prepares the sink for the blocks the sequence will finish.
     pub async fn prepare(&self, prompt: &[u32]) -> Prepared {
-        self.finisher.idle().await;
         let b = self.block_tokens;
         let keys = self.keys(prompt);
         let body = prompt.len().saturating_sub(1);
+        // Blocks still being finished are waited for, unless a parked cache will be resumed:
+        // the blocks a request hands over come from a cache that is parked when it ends, and
+        // on a GPU their read-back (~120 ms for 8K tokens on an H100) would otherwise delay a
+        // prompt that resends the same prefix at once.
+        let parked_covers = self.parking.as_ref().is_some_and(|p| {
+            p.peek(&self.namespace, &prompt[..body]) >= MIN_PARKED_RESUME.min(body).max(1)
+        });
+        if !parked_covers {
+            self.finisher.idle().await;
+        }
         let reusable = (body / b).min(keys.len());
         let how = self.reuse.continuation(b);
         let mut cached = Vec::new();

@@ -154,6 +154,16 @@ impl Parking {
         })
     }
 
+    /// The most tokens of `prompt` a parked cache of `namespace` holds from the start.
+    pub fn peek(&self, namespace: &str, prompt: &[u32]) -> usize {
+        lock(&self.entries)
+            .iter()
+            .filter(|e| &*e.namespace == namespace)
+            .map(|e| common_prefix(&e.kv.tokens, prompt))
+            .max()
+            .unwrap_or(0)
+    }
+
     /// Counts a prompt resumed from a taken cache.
     pub fn count_resume(&self, tokens: usize) {
         self.stats.resumed.fetch_add(1, Ordering::Relaxed);
@@ -197,18 +207,6 @@ mod tests {
     use super::*;
     use crate::engine::kv::{KvCache, KvLayout};
     use mlx_rs::Array;
-
-    impl Parking {
-        /// The most tokens of `prompt` a parked cache of `namespace` holds from the start.
-        fn peek(&self, namespace: &str, prompt: &[u32]) -> usize {
-            lock(&self.entries)
-                .iter()
-                .filter(|e| &*e.namespace == namespace)
-                .map(|e| common_prefix(&e.kv.tokens, prompt))
-                .max()
-                .unwrap_or(0)
-        }
-    }
 
     fn parked(tokens: &[u32]) -> ParkedKv {
         let layout = KvLayout {
