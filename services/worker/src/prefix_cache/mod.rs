@@ -532,8 +532,8 @@ impl PrefixCache {
 
     /// Where a sequence's finished blocks go: L0 as soon as the finisher thread has them (every
     /// reader waits for it), the cache service asynchronously (dropped, and counted, if the
-    /// store queue is full: decode never waits). The chain of
-    /// keys grows with blocks of generated tokens in the opt-in mode.
+    /// store queue is full: decode never waits). The chain of keys grows with blocks of
+    /// generated tokens.
     fn sink(&self, prompt: &[u32], mut chain: Vec<BlockKey>) -> BlockSinkFn {
         let this = self.clone();
         let prompt_len = prompt.len();
