@@ -338,7 +338,9 @@ def ttft_runs(server, tokens, args, log):
             row["prompt_tokens"] = n or row["prompt_tokens"]
             # An agent's next turn: the whole previous prompt, the answer, a new message.
             turn = system + first + [{"role": "assistant", "content": answer}]
+            time.sleep(args.pause)
             row["prefix"].append(ask(system + [{"role": "user", "content": QUESTIONS[1]}])[0])
+            time.sleep(args.pause)
             row["turn"].append(ask(turn + [{"role": "user", "content": QUESTIONS[1]}])[0])
             server.before_restart()
             server.stop()
@@ -514,6 +516,9 @@ def main():
     ap.add_argument("--lengths", default="1024,2048,4096")
     ap.add_argument("--streams", default="1,4,8")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--pause", type=float, default=0.0,
+                    help="seconds between a cold request and the warm ones after it "
+                         "(default 0: back to back; an agent's user or tools take seconds)")
     ap.add_argument("--llama-server", default=None, help="[default: from $STRATA_CACHE/peers]")
     ap.add_argument("--vllm-mlx", default=str(PEERS / "vllmmlxvenv/bin/vllm-mlx"))
     ap.add_argument("--out", default="docs/bench")
