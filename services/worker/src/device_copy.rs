@@ -191,17 +191,11 @@ unsafe fn side_copy(dst: *mut u8, src: &[u8]) -> bool {
             e => e,
         }
     };
-    if r == 0 {
-        DRIVER_COPIES.fetch_add(1, Ordering::Relaxed);
-        return true;
-    }
-    if FAILED_SIDE_COPIES.fetch_add(1, Ordering::Relaxed) == 0 {
-        tracing::warn!(
-            cuda_error = r,
-            "a copy on the finisher's own CUDA stream failed; copying on the default stream"
-        );
-    }
-    false
+    copied(
+        r,
+        &FAILED_SIDE_COPIES,
+        "a copy on the finisher's own CUDA stream failed; copying on the default stream",
+    )
 }
 
 /// Copies on a side stream that failed (then made on the default stream).
@@ -268,15 +262,22 @@ unsafe fn driver_copy(dst: *mut u8, src: &[u8]) -> bool {
         }
         r
     };
+    copied(
+        r,
+        &FALLBACK_COPIES,
+        "the CUDA driver's copy failed; reading device memory directly (slower)",
+    )
+}
+
+/// Counts a driver copy's result `r` (0: done) in `DRIVER_COPIES` or in `failures`, warning at
+/// the first failure; whether it was done.
+fn copied(r: CuResult, failures: &AtomicU64, warning: &str) -> bool {
     if r == 0 {
         DRIVER_COPIES.fetch_add(1, Ordering::Relaxed);
         return true;
     }
-    if FALLBACK_COPIES.fetch_add(1, Ordering::Relaxed) == 0 {
-        tracing::warn!(
-            cuda_error = r,
-            "the CUDA driver's copy failed; reading device memory directly (slower)"
-        );
+    if failures.fetch_add(1, Ordering::Relaxed) == 0 {
+        tracing::warn!(cuda_error = r, "{warning}");
     }
     false
 }

@@ -1222,6 +1222,18 @@ fn view_as(raw: &Array, dtype: Dtype) -> Result<Array> {
 mod tests {
     use super::*;
 
+    /// Two layers of two KV heads of four dims: big enough to tell heads, layers and K from V.
+    fn small_layout(dtype: Dtype) -> KvLayout {
+        KvLayout {
+            num_layers: 2,
+            kv_heads: 2,
+            head_dim: 4,
+            dtype,
+            window: None,
+            recurrent: None,
+        }
+    }
+
     /// A cache holding a prompt's first rows (a parked cache cut back) takes the rest from the
     /// blocks, in its own buffers: the same KV as importing the blocks whole, across a growth
     /// of its buffers, and starting inside a block.
@@ -1234,14 +1246,7 @@ mod tests {
     }
 
     fn rows_appended_from_blocks_in(dtype: Dtype) {
-        let layout = KvLayout {
-            num_layers: 2,
-            kv_heads: 2,
-            head_dim: 4,
-            dtype,
-            window: None,
-            recurrent: None,
-        };
+        let layout = small_layout(dtype);
         let values = |n: usize, seed: f32| -> Vec<u8> {
             let count = n * layout.bytes_per_token() / dtype_bytes(dtype);
             (0..count)
@@ -1280,14 +1285,7 @@ mod tests {
     /// block gives what exporting the first 3 rows gave.
     #[test]
     fn the_leading_rows_of_a_longer_block_import_as_those_tokens() {
-        let layout = KvLayout {
-            num_layers: 2,
-            kv_heads: 2,
-            head_dim: 4,
-            dtype: Dtype::Float32,
-            window: None,
-            recurrent: None,
-        };
+        let layout = small_layout(Dtype::Float32);
         let values = |n: usize, seed: f32| -> Vec<u8> {
             (0..n * layout.bytes_per_token() / 4)
                 .flat_map(|i| (i as f32 * 0.5 + seed).to_le_bytes())
@@ -1326,14 +1324,7 @@ mod tests {
     }
 
     fn ranges_exported_together_in(dtype: Dtype) {
-        let layout = KvLayout {
-            num_layers: 2,
-            kv_heads: 2,
-            head_dim: 4,
-            dtype,
-            window: None,
-            recurrent: None,
-        };
+        let layout = small_layout(dtype);
         let bytes: Vec<u8> = (0..9 * layout.bytes_per_token() / dtype_bytes(dtype))
             .flat_map(|i| {
                 let x = i as f32 * 0.25 - 3.0;
@@ -1474,14 +1465,7 @@ mod tests {
     /// buffers, and rows that do not fit or have the wrong width are refused.
     #[test]
     fn rows_written_in_place_equal_rows_appended() {
-        let layout = KvLayout {
-            num_layers: 2,
-            kv_heads: 2,
-            head_dim: 4,
-            dtype: Dtype::Float32,
-            window: None,
-            recurrent: None,
-        };
+        let layout = small_layout(Dtype::Float32);
         let width = layout.kv_heads * layout.head_dim;
         // Token i's K row: head-major values [t, kv_heads * dim], V rows negated.
         let rows = |from: usize, t: usize, layer: usize| -> Vec<f32> {
