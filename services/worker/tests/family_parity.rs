@@ -147,15 +147,19 @@ fn check_family(family: &str, arch: &str) {
 
 /// `family`'s reference cases on the model at `path`.
 fn check_family_at(family: &str, path: &std::path::Path, arch: &str) {
-    let (model_type, cases) = cases(family);
     let m = loader::open(path, DtypePolicy::F32, BLOCK).unwrap_or_else(|e| panic!("{family}: {e}"));
+    check_family_on(family, &m, arch);
+}
+
+fn check_family_on(family: &str, m: &LoadedModel, arch: &str) {
+    let (model_type, cases) = cases(family);
     assert_eq!(
         m.model.config().arch.name(),
         arch,
         "{family} ({model_type})"
     );
     for (i, case) in cases.iter().enumerate() {
-        let (tokens, logits) = greedy(&m, &case.input, case.greedy.len());
+        let (tokens, logits) = greedy(m, &case.input, case.greedy.len());
         let (worst, tolerance) = difference(&logits, &case.logits);
         eprintln!("{family} case {i}: max |Δlogit| {worst:.3e} (tolerance {tolerance:.2e})");
         assert!(
@@ -170,7 +174,7 @@ fn check_family_at(family: &str, path: &std::path::Path, arch: &str) {
             ignore_eos: true,
             ..GenerateRequest::greedy(case.input.clone(), case.greedy.len())
         };
-        let (cold, blocks) = generate(&m, &req, &[]);
+        let (cold, blocks) = generate(m, &req, &[]);
         assert_eq!(cold.tokens, case.greedy, "{family} case {i}: served cold");
         for n in 1..=blocks.len() {
             let cached: Vec<CachedKv<'_>> = blocks[..n]
@@ -180,7 +184,7 @@ fn check_family_at(family: &str, path: &std::path::Path, arch: &str) {
                     tokens: b.tokens.len(),
                 })
                 .collect();
-            let (warm, _) = generate(&m, &req, &cached);
+            let (warm, _) = generate(m, &req, &cached);
             let held: usize = blocks[..n].iter().map(|b| b.tokens.len()).sum();
             assert_eq!(
                 warm.cached_tokens, held,
@@ -371,6 +375,18 @@ fn qwen2_moe_matches_mlx_lm() {
 #[test]
 fn qwen3_5_hybrid_matches_mlx_lm() {
     check_family("qwen3_5", "qwen3_5");
+}
+
+/// The recurrence as MLX operations, what a GPU runs (`delta_rule_device`: the chunked form
+/// with its snapshots at every block end, token by token for decode steps), on a CPU against
+/// the same mlx-lm references: cold, greedy, and resumed from every block.
+#[test]
+fn hybrid_families_with_the_recurrence_on_the_device_match_mlx_lm() {
+    for family in ["qwen3_5", "qwen3_5_moe"] {
+        let mut m = loader::open(&family_dir(family), DtypePolicy::F32, BLOCK).unwrap();
+        assert!(m.model.set_device_recurrence(true).unwrap() > 0, "{family}");
+        check_family_on(family, &m, family);
+    }
 }
 
 /// Qwen3.5-MoE / Qwen3.6-35B-A3B's layer pattern: the hybrid layers with a routed mixture of

@@ -153,6 +153,34 @@ struct LayerKv {
     first: usize,
 }
 
+/// One recurrent layer's state, f32 (convolution inputs, then the recurrent state): in host
+/// memory where the host kernel advances it, or an MLX array where the recurrence runs on the
+/// device (a GPU), so that a decode step does not copy it both ways. Read back to the host
+/// only when a block is exported or the host kernel takes over.
+#[derive(Clone)]
+enum StateFloats {
+    Host(Vec<f32>),
+    Device(Array),
+}
+
+impl StateFloats {
+    fn to_host(&self) -> Result<std::borrow::Cow<'_, [f32]>> {
+        match self {
+            Self::Host(v) => Ok(std::borrow::Cow::Borrowed(v)),
+            Self::Device(a) => {
+                let a = a.as_dtype(Dtype::Float32)?;
+                a.eval()?;
+                let floats = a
+                    .try_as_slice::<f32>()
+                    .map_err(|e| EngineError::Mlx(format!("reading a recurrent state: {e}")))?;
+                Ok(std::borrow::Cow::Owned(crate::device_copy::to_host_f32(
+                    floats,
+                )))
+            }
+        }
+    }
+}
+
 pub struct KvCache {
     layout: KvLayout,
     layers: Vec<Option<LayerKv>>,
@@ -164,10 +192,10 @@ pub struct KvCache {
     /// positions skipped right before it), in order. Consumed by `advance`.
     gaps: Vec<(usize, usize)>,
     /// Each recurrent layer's state (convolution inputs, then the recurrent state).
-    recurrent: Vec<Vec<f32>>,
+    recurrent: Vec<StateFloats>,
     /// Snapshots of every recurrent layer's state after `position` tokens, filled layer by
     /// layer during a pass.
-    snapshots: std::collections::BTreeMap<usize, Vec<Vec<f32>>>,
+    snapshots: std::collections::BTreeMap<usize, Vec<StateFloats>>,
     /// Snapshots are taken at multiples of this (0: none) and at `snapshot_at`.
     snapshot_every: usize,
     snapshot_at: Vec<usize>,
@@ -184,7 +212,7 @@ impl KvCache {
             gaps: Vec::new(),
             recurrent: layout
                 .recurrent
-                .map(|r| vec![vec![0f32; r.floats()]; r.layers])
+                .map(|r| vec![StateFloats::Host(vec![0f32; r.floats()]); r.layers])
                 .unwrap_or_default(),
             snapshots: Default::default(),
             snapshot_every: 0,
@@ -225,14 +253,59 @@ impl KvCache {
             .recurrent
             .get_mut(layer)
             .ok_or_else(|| EngineError::Config(format!("recurrent layer {layer} out of range")))?;
-        Ok(state.split_at_mut(r.conv_floats))
+        if let StateFloats::Device(_) = state {
+            *state = StateFloats::Host(state.to_host()?.into_owned());
+        }
+        match state {
+            StateFloats::Host(floats) => Ok(floats.split_at_mut(r.conv_floats)),
+            StateFloats::Device(_) => Err(EngineError::Mlx(
+                "a recurrent state left on the device".into(),
+            )),
+        }
+    }
+
+    /// Recurrent layer `layer`'s state as one f32 array (`[conv_floats + state_floats]`), for
+    /// the recurrence on the device; a host state is copied up once and stays there.
+    pub fn recurrent_array(&mut self, layer: usize) -> Result<Array> {
+        let state = self
+            .recurrent
+            .get_mut(layer)
+            .ok_or_else(|| EngineError::Config(format!("recurrent layer {layer} out of range")))?;
+        if let StateFloats::Host(floats) = state {
+            *state = StateFloats::Device(Array::from_slice(floats, &[floats.len() as i32]));
+        }
+        match state {
+            StateFloats::Device(array) => Ok(array.clone()),
+            StateFloats::Host(_) => Err(EngineError::Mlx(
+                "a recurrent state left on the host".into(),
+            )),
+        }
+    }
+
+    /// Replaces recurrent layer `layer`'s state by `array` (as `recurrent_array` gave it).
+    pub fn set_recurrent_array(&mut self, layer: usize, array: Array) -> Result<()> {
+        let state = self
+            .recurrent
+            .get_mut(layer)
+            .ok_or_else(|| EngineError::Config(format!("recurrent layer {layer} out of range")))?;
+        *state = StateFloats::Device(array);
+        Ok(())
     }
 
     /// Records recurrent layer `layer`'s state after `position` tokens (layers in order).
     pub fn put_snapshot(&mut self, position: usize, layer: usize, floats: Vec<f32>) {
+        self.put_snapshot_state(position, layer, StateFloats::Host(floats));
+    }
+
+    /// As `put_snapshot`, a state on the device (read back only if its block is exported).
+    pub fn put_snapshot_array(&mut self, position: usize, layer: usize, array: Array) {
+        self.put_snapshot_state(position, layer, StateFloats::Device(array));
+    }
+
+    fn put_snapshot_state(&mut self, position: usize, layer: usize, state: StateFloats) {
         let layers = self.snapshots.entry(position).or_default();
         if layers.len() == layer {
-            layers.push(floats);
+            layers.push(state);
         }
     }
 
@@ -749,7 +822,7 @@ impl KvCache {
                 ))
             })?;
         for layer in snapshot {
-            out.extend(layer.iter().flat_map(|x| x.to_le_bytes()));
+            out.extend(layer.to_host()?.iter().flat_map(|x| x.to_le_bytes()));
         }
         Ok(())
     }
@@ -775,7 +848,10 @@ impl KvCache {
                 "a recurrent snapshot holds a value that is not finite".into(),
             ));
         }
-        self.recurrent = floats.chunks(r.floats()).map(<[f32]>::to_vec).collect();
+        self.recurrent = floats
+            .chunks(r.floats())
+            .map(|layer| StateFloats::Host(layer.to_vec()))
+            .collect();
         Ok(())
     }
 

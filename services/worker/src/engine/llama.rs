@@ -22,6 +22,7 @@ use super::policy::DtypePolicy;
 use super::weights::{Linear, Matrix, TensorStore};
 use super::{EngineError, Result};
 
+mod delta_rule_device;
 mod host_step;
 mod linear_attention;
 mod moe;
@@ -518,7 +519,33 @@ impl Model {
         if cpu && host_steps_enabled() {
             model.host = host_step::HostWeights::new(&model)?;
         }
+        if !cpu {
+            model.set_device_recurrence(true)?;
+        }
         Ok(model)
+    }
+
+    /// Runs the recurrence of linear-attention layers as MLX operations on the device (the
+    /// default off a CPU) or in the host kernel (the default on one); returns how many layers
+    /// changed. The two agree within f32 rounding (tests compare them on a CPU).
+    pub fn set_device_recurrence(&mut self, on: bool) -> Result<usize> {
+        let mut changed = 0;
+        for layer in &mut self.layers {
+            if let Mixer::Linear(mixer) = &mut layer.mixer
+                && mixer.on_device() != on
+            {
+                mixer.set_on_device(on)?;
+                changed += 1;
+            }
+        }
+        if changed > 0 {
+            tracing::info!(
+                on_device = on,
+                layers = changed,
+                "linear-attention recurrence placed"
+            );
+        }
+        Ok(changed)
     }
 
     /// Turns passes of a few rows on the host kernels (`host_step`) on or off; returns whether

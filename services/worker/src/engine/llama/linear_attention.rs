@@ -4,12 +4,12 @@
 //! gated delta rule, gated RMSNorm) on each sequence's own recurrent state, then `out_proj`.
 //! The arithmetic of mlx-lm's `qwen3_5.GatedDeltaNet`.
 //!
-//! The mixer runs on the host whatever the device: MLX has no fused kernel for it off Metal
-//! (mlx-lm loops over tokens with a dozen small operations each), and the state it updates is
-//! what the prefix cache snapshots, so it lives in host memory anyway (`KvCache`). On a GPU
-//! this costs a synchronisation and a copy of the projections per layer: measured and moved
-//! to the device with the GPU work, not here.
+//! On a CPU the mixer runs in that host kernel (the fastest there: one pass over each head's
+//! state a token). On a GPU it runs as MLX operations (`delta_rule_device`), its state kept
+//! on the device between passes and read back only for the snapshots the cache exports.
 
+use mlx_rs::ops::concatenate;
+use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{Array, Dtype};
 use strata_cpu_kernels::gated_delta::{self, Shape};
 
@@ -18,6 +18,7 @@ use super::super::policy::DtypePolicy;
 use super::super::weights::{Linear, TensorStore};
 use super::super::{EngineError, Result};
 use super::SeqChunk;
+use super::delta_rule_device::{self, DeviceInputs, DeviceWeights};
 
 pub(super) struct GatedDeltaNet {
     qkv: Linear,
@@ -33,6 +34,8 @@ pub(super) struct GatedDeltaNet {
     norm: Vec<f32>,
     eps: f32,
     shape: Shape,
+    /// The same weights on the device where the recurrence runs there (a GPU).
+    device: Option<DeviceWeights>,
 }
 
 fn host_vector(a: &Array) -> Result<Vec<f32>> {
@@ -94,11 +97,33 @@ impl GatedDeltaNet {
             norm: per_head("norm.weight", shape.value_dim)?,
             eps,
             shape,
+            device: None,
         };
         for m in [&layer.qkv, &layer.z, &layer.b, &layer.a, &layer.out] {
             m.eval()?;
         }
         Ok(layer)
+    }
+
+    /// Runs the recurrence as MLX operations on the default device (`on`) or in the host
+    /// kernel. Both give the same arithmetic within f32 rounding.
+    pub(super) fn set_on_device(&mut self, on: bool) -> Result<()> {
+        self.device = match on {
+            false => None,
+            true => Some(DeviceWeights::new(
+                self.shape,
+                &self.conv,
+                &self.a_log,
+                &self.dt_bias,
+                &self.norm,
+                self.eps,
+            )?),
+        };
+        Ok(())
+    }
+
+    pub(super) fn on_device(&self) -> bool {
+        self.device.is_some()
     }
 
     /// The layer's output (before the residual add) for `x` (`[tokens, hidden]`, normalised),
@@ -115,6 +140,35 @@ impl GatedDeltaNet {
     ) -> Result<Array> {
         let [qkv, z] = Linear::forward_group([&self.qkv, &self.z], x, few)?;
         let [b, a] = Linear::forward_group([&self.b, &self.a], x, few)?;
+        if let Some(weights) = &self.device {
+            let mut outs = Vec::with_capacity(batch.len());
+            for (seq, &(start, end)) in batch.iter_mut().zip(ranges) {
+                let held = seq.cache.len();
+                let snapshots_after = seq.cache.snapshot_points((end - start) as usize);
+                let state = seq.cache.recurrent_array(index)?;
+                let rows = |p: &Array| p.try_index(start..end);
+                let inputs = DeviceInputs {
+                    qkv: &rows(&qkv)?,
+                    z: &rows(&z)?,
+                    b: &rows(&b)?,
+                    a: &rows(&a)?,
+                };
+                let done = delta_rule_device::forward(
+                    self.shape,
+                    weights,
+                    &inputs,
+                    &state,
+                    &snapshots_after,
+                )?;
+                seq.cache.set_recurrent_array(index, done.state)?;
+                for (&i, snapshot) in snapshots_after.iter().zip(done.snapshots) {
+                    seq.cache.put_snapshot_array(held + i + 1, index, snapshot);
+                }
+                outs.push(done.out);
+            }
+            let mixed = concatenate(&outs, 0)?.as_dtype(x.dtype())?;
+            return self.out.forward_on(&mixed, few);
+        }
         let parts = [qkv, z, b, a]
             .into_iter()
             .map(|p| p.as_dtype(Dtype::Float32))
