@@ -275,6 +275,15 @@ class MlxLmServer(Cluster):
         "            tokenizer_file=str(pathlib.Path(path) / 'tokenizer.json'),\n"
         "            eos_token='<|im_end|>')\n"
         "tu.AutoTokenizer = Words\n"
+        # mlx-lm 0.32.2 passes gather_qmm a `global_scale` (None unless nvfp4 experts) that
+        # MLX 0.32.2 does not take yet; dropped when None, so that quantised MoE models load.
+        "import mlx.core as mx\n"
+        "_gather_qmm = mx.gather_qmm\n"
+        "def gather_qmm(*a, global_scale=None, **k):\n"
+        "    if global_scale is not None:\n"
+        "        raise ValueError('global_scale needs a newer MLX')\n"
+        "    return _gather_qmm(*a, **k)\n"
+        "mx.gather_qmm = gather_qmm\n"
         "from mlx_lm.server import main\n"
         "sys.argv = ['mlx_lm.server'] + sys.argv[1:]\n"
         "main()\n")
@@ -310,6 +319,14 @@ def serve_bench(args, server):
             try:
                 row["cold_s"], _, usage, _ = c.complete(ids, 1)
                 row["cold_phases"] = c.phases()
+                if args.cold_only:
+                    if n in args.decode_at:
+                        _, row["decode_tok_s"], _, row["decode_tokens"] = c.complete(
+                            ids + [1002], 65)
+                    results[n] = row
+                    print(f"{c.name} {n}: {row}", file=sys.stderr, flush=True)
+                    save(args, results)
+                    continue
                 row["warm_s"], _, usage, _ = c.complete(ids, 1)
                 row["warm_cached_tokens"] = cached_tokens(usage)
                 question = ids[:n - 64] + prompt_ids(64, seed=n + 1)
@@ -324,6 +341,8 @@ def serve_bench(args, server):
             results[n] = row
             print(f"{c.name} {n}: {row}", file=sys.stderr, flush=True)
             save(args, results)
+        if args.cold_only:
+            return results
         results["streams"] = streams_bench(c, args)
         print(f"{c.name} streams: {results['streams']}", file=sys.stderr, flush=True)
         try:
@@ -481,6 +500,8 @@ def main():
     ap.add_argument("--tmp", default="/tmp/strata-gpu-bench")
     ap.add_argument("--no-stability", dest="stability", action="store_false",
                     help="skip the 98K-token stability test")
+    ap.add_argument("--cold-only", action="store_true",
+                    help="strata, mlx_lm: cold TTFT (and decode) per length only")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]

@@ -9,7 +9,12 @@ process. Not CI; a table on stdout and JSON in --out.
 Each length is a prompt of random token ids of its own (no shared prefix), max_tokens 1. The
 model folder is served through a copy whose config allows 131,072 positions (random weights:
 only the shapes matter here). Expected: a flat line, attention K/V per token plus one
-recurrent-state snapshot per 256-token block.
+recurrent-state snapshot per block (256 tokens unless --block-tokens says otherwise).
+
+On the GPU machine (issue 26's run at Qwen3.6-35B-A3B's shape, scripts/gpu-bench-seed):
+`--block-tokens 2048` (a snapshot of that model is 66 MB, the K/V of 3,000 tokens),
+`--ids-max 150000` (its vocabulary), `--decode 64` (decode tok/s after the restart's hit),
+`--kv-ram`, `--memory-budget`. The worker's pid is compared before and after each prompt.
 """
 import argparse
 import json
@@ -23,7 +28,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
+
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_gpu import complete as stream_complete  # noqa: E402
 
 
 def free_port():
@@ -51,9 +61,18 @@ class Cluster:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.cmd = [str(pathlib.Path(args.bin_dir) / "strata"), "up", "--bind",
-                    f"127.0.0.1:{self.port}", "--model", str(model), "--model-id", "m",
-                    "--run-dir", str(tmp / "run"), "--kv-dir", str(tmp / "kv"),
-                    "--kv-ram", "1GiB", "--kv-disk", "64GiB"]
+                    f"127.0.0.1:{self.port}", "--run-dir", str(tmp / "run"),
+                    "--kv-dir", str(tmp / "kv"), "--kv-ram", args.kv_ram, "--kv-disk", "64GiB"]
+        if args.memory_budget:
+            self.cmd += ["--worker-memory-budget", args.memory_budget]
+        if args.block_tokens:
+            # Blocks of another length are a model setting: served through a config file.
+            (tmp / "strata.toml").write_text(
+                f'[[models]]\nid = "m"\npath = "{model}"\npinned = true\n'
+                f"block_tokens = {args.block_tokens}\n")
+            self.cmd += ["--config", str(tmp / "strata.toml")]
+        else:
+            self.cmd += ["--model", str(model), "--model-id", "m"]
         self.tmp, self.proc = tmp, None
 
     def start(self):
@@ -72,11 +91,16 @@ class Cluster:
         os.killpg(self.proc.pid, signal.SIGTERM)
         self.proc.wait(timeout=120)
 
-    def complete(self, ids):
+    def complete(self, ids, max_tokens=1):
         started = time.perf_counter()
         r = call(self.base, "/v1/completions",
-                 {"model": "m", "prompt": ids, "max_tokens": 1, "temperature": 0})
+                 {"model": "m", "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+                  "ignore_eos": True})
         return time.perf_counter() - started, r["usage"]
+
+    def worker_pid(self):
+        health = call(self.base, "/health")
+        return [ch.get("pid") for ch in health.get("children", []) if ch.get("kind") == "worker"]
 
     def disk(self):
         """Bytes the disk tier holds, once the stores in flight have landed."""
@@ -97,6 +121,12 @@ def main():
     ap.add_argument("--model", required=True)
     ap.add_argument("--lengths", default="8192,32768,65536")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--block-tokens", type=int)
+    ap.add_argument("--ids-max", type=int, default=49000, help="prompt ids are below this")
+    ap.add_argument("--decode", type=int, default=0,
+                    help="after the restart's hit, also time this many generated tokens")
+    ap.add_argument("--kv-ram", default="1GiB")
+    ap.add_argument("--memory-budget")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="strata-hybrid-disk-"))
@@ -105,7 +135,8 @@ def main():
     for f in pathlib.Path(args.model).iterdir():
         (model / f.name).symlink_to(f.resolve())
     config = json.loads((pathlib.Path(args.model) / "config.json").read_text())
-    (config.get("text_config") or config)["max_position_embeddings"] = 131072
+    text = config.get("text_config") or config
+    text["max_position_embeddings"] = max(text.get("max_position_embeddings", 0), 131072)
     (model / "config.json").unlink()
     (model / "config.json").write_text(json.dumps(config, indent=1))
     c = Cluster(args, model, tmp)
@@ -114,23 +145,41 @@ def main():
     try:
         for n in lengths:
             rng = random.Random(n)
-            prompts[n] = [rng.randrange(100, 49000) for _ in range(n)]
-            before = c.disk()
-            cold, usage = c.complete(prompts[n])
+            prompts[n] = [rng.randrange(100, args.ids_max) for _ in range(n)]
+            before, pid = c.disk(), c.worker_pid()
+            try:
+                cold, usage = c.complete(prompts[n])
+            except urllib.error.HTTPError as e:
+                # A prompt that cannot fit is refused: say so, and that the worker lived.
+                rows.append({"prompt_tokens": n, "refused": f"HTTP {e.code}: "
+                             f"{e.read().decode(errors='replace')[:300]}",
+                             "worker_survived": c.worker_pid() == pid})
+                print(f"{n}: {rows[-1]}", file=sys.stderr, flush=True)
+                continue
             after = c.disk()
             added = after["bytes"] - before["bytes"]
             row = {"prompt_tokens": usage["prompt_tokens"], "cold_s": cold,
                    "disk_bytes_added": added, "blocks_added": after["blocks"] - before["blocks"],
-                   "bytes_per_1k_tokens": added / (n / 1000)}
+                   "bytes_per_1k_tokens": added / (n / 1000),
+                   "worker_survived": c.worker_pid() == pid}
             rows.append(row)
+            pathlib.Path(args.out).write_text(json.dumps({"rows": rows}, indent=1))
             print(f"{n}: {row}", file=sys.stderr, flush=True)
         c.stop()
         c.start()
         for row, n in zip(rows, lengths):
+            if "refused" in row:
+                continue
             t, usage = c.complete(prompts[n])
             row["after_restart_s"] = t
             row["after_restart_cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get(
                 "cached_tokens")
+            if args.decode:
+                # Streamed: the rate counts the tokens after the first.
+                _, row["decode_tok_s"], _, row["decode_tokens"] = stream_complete(
+                    c.base, prompts[n] + [prompts[n][0]], args.decode + 1)
+            print(f"{n} after restart: {row}", file=sys.stderr, flush=True)
+            pathlib.Path(args.out).write_text(json.dumps({"rows": rows}, indent=1))
         rows_du = du(tmp / "kv")
     finally:
         c.stop()
@@ -140,6 +189,9 @@ def main():
           "after restart | cached tokens |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
+        if "refused" in r:
+            print(f"| {r['prompt_tokens']} | refused: {r['refused']} | | | | | |")
+            continue
         print(f"| {r['prompt_tokens']} | {r['cold_s']:.1f} s | {r['disk_bytes_added']:,} | "
               f"{r['blocks_added']} | {r['bytes_per_1k_tokens'] / 1e6:.2f} MB | "
               f"{r['after_restart_s']:.2f} s | {r['after_restart_cached_tokens']} |")

@@ -198,6 +198,11 @@ pub struct ModelConfig {
     /// Tokens per prefill pass [default: the device's, 256 on the CPU and 4096 on a GPU].
     #[serde(default)]
     pub prefill_chunk_tokens: Option<usize>,
+    /// Tokens per cached KV block [default: 256]. A hybrid model's block carries a snapshot
+    /// of every recurrent layer, so models with large states (Qwen3.6-35B-A3B's is 63 MB)
+    /// store fewer bytes per token with longer blocks; hits still resume at message ends.
+    #[serde(default)]
+    pub block_tokens: Option<usize>,
     /// Load when `strata up` starts even if not pinned [default: only pinned models start
     /// loaded; the others load on their first request].
     #[serde(default)]
@@ -226,6 +231,7 @@ impl ModelConfig {
             l0_bytes: None,
             parked_bytes: None,
             prefill_chunk_tokens: None,
+            block_tokens: None,
             preload: false,
             idle_ttl_secs: None,
         }

@@ -782,6 +782,11 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
                     .iter()
                     .flat_map(|n| ["--prefill-chunk-tokens".to_string(), n.to_string()]),
             )
+            .chain(
+                m.block_tokens
+                    .iter()
+                    .flat_map(|n| ["--block-tokens".to_string(), n.to_string()]),
+            )
             .collect(),
             socket,
             envs: child_envs.clone(),
