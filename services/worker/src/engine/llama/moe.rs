@@ -7,12 +7,17 @@
 
 use mlx_rs::Array;
 use mlx_rs::ops::indexing::TryIndexOp;
-use mlx_rs::ops::{argpartition_axis, dequantize, gather_mm, gather_qmm, softmax_axis, stack};
+use mlx_rs::ops::{
+    argpartition_axis, argsort, dequantize, gather_mm, gather_qmm, softmax_axis, stack,
+};
 
 use super::super::config::Experts;
 use super::super::policy::DtypePolicy;
 use super::super::weights::{Linear, QuantMode, TensorStore};
 use super::super::{EngineError, Result};
+
+/// (token, expert) pairs from which they are sorted by expert before the products.
+const SORT_FROM_PAIRS: i32 = 64;
 
 pub(super) struct MoeMlp {
     /// `[experts, hidden]`: each expert's score for a token.
@@ -59,10 +64,11 @@ impl ExpertWeights {
     }
 
     /// `x` (`[tokens, k, 1, in]` or `[tokens, 1, 1, in]`) through each token's `chosen`
-    /// experts: `[tokens, k, 1, out]`.
-    fn apply(&self, x: &Array, chosen: &Array) -> Result<Array> {
+    /// experts: `[tokens, k, 1, out]`. With `sorted`, `chosen` is ascending (rows of one
+    /// expert together), and the kernel multiplies each expert's rows as one matrix.
+    fn apply(&self, x: &Array, chosen: &Array, sorted: bool) -> Result<Array> {
         Ok(match self {
-            Self::Dense(w) => gather_mm(x, w, None, chosen, None)?,
+            Self::Dense(w) => gather_mm(x, w, None, chosen, sorted)?,
             Self::Packed {
                 weight,
                 scales,
@@ -79,7 +85,7 @@ impl ExpertWeights {
                 true,
                 *group_size,
                 *bits,
-                None,
+                sorted,
             )?,
         })
     }
@@ -224,13 +230,31 @@ impl MoeMlp {
         if self.normalize_top_k {
             weights = weights.divide(weights.sum_axis(-1, true)?)?;
         }
-        // [tokens, 1, 1, hidden] against each token's k experts: [tokens, k, 1, out].
-        let xe = x.reshape(&[tokens, 1, 1, hidden])?;
-        let gate = self.gate.apply(&xe, &chosen)?;
-        let up = self.up.apply(&xe, &chosen)?;
-        let act = mlx_rs::nn::silu(gate)?.multiply(&up)?;
-        let out = self.down.apply(&act, &chosen)?;
-        let out = out.reshape(&[tokens, k, hidden])?;
+        let out = if tokens * k >= SORT_FROM_PAIRS {
+            // A prefill chunk: the (token, expert) pairs sorted by expert, so that each
+            // expert's rows are one product, as mlx-lm's SwitchGLU does from 64 pairs; the
+            // outputs are put back in the tokens' order after.
+            let flat = chosen.flatten(None, None)?;
+            let order = argsort(&flat)?;
+            let back = argsort(&order)?;
+            let experts = flat.take(&order)?;
+            let rows = x
+                .take_axis(order.floor_divide(Array::from_int(k))?, 0)?
+                .reshape(&[tokens * k, 1, hidden])?;
+            let gate = self.gate.apply(&rows, &experts, true)?;
+            let up = self.up.apply(&rows, &experts, true)?;
+            let act = mlx_rs::nn::silu(gate)?.multiply(&up)?;
+            let out = self.down.apply(&act, &experts, true)?;
+            out.take_axis(&back, 0)?.reshape(&[tokens, k, hidden])?
+        } else {
+            // [tokens, 1, 1, hidden] against each token's k experts: [tokens, k, 1, out].
+            let xe = x.reshape(&[tokens, 1, 1, hidden])?;
+            let gate = self.gate.apply(&xe, &chosen, false)?;
+            let up = self.up.apply(&xe, &chosen, false)?;
+            let act = mlx_rs::nn::silu(gate)?.multiply(&up)?;
+            let out = self.down.apply(&act, &chosen, false)?;
+            out.reshape(&[tokens, k, hidden])?
+        };
         let routed = out
             .multiply(weights.reshape(&[tokens, k, 1])?)?
             .sum_axis(-2, false)?;
