@@ -402,6 +402,37 @@ def test_blocks_still_on_their_way_to_the_cache_service_serve_the_next_prompt(
         assert features["parked_kv"].startswith("off (parked_bytes is 0"), features
 
 
+def test_block_tokens_in_strata_toml_sets_the_length_of_cached_blocks(
+        bin_dir, default_model, tmp_path):
+    # block_tokens = 128 reaches the worker (`--block-tokens`): the prompt is kept in
+    # 128-token blocks and served back from L0 (parking off, so that it reads blocks).
+    port = pick_port()
+    text = one_model_config(tmp_path, port, MODEL, default_model,
+                            model='parked_bytes = "0"\nblock_tokens = 128')
+    ask = messages("Name the parties in one line.")
+    with config_cluster(bin_dir, tmp_path, port, text) as c:
+        oai = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        first = oai.chat.completions.create(model=MODEL, messages=ask, max_tokens=4,
+                                            temperature=0)
+        body = first.usage.prompt_tokens - 1
+        assert body % 256 >= 128, f"pick a prompt whose last 128-token block is whole: {body}"
+        again = oai.chat.completions.create(model=MODEL, messages=ask, max_tokens=4,
+                                            temperature=0)
+        assert again.usage.model_extra["strata_cached_tokens_by_tier"]["l0"] == body
+        assert again.choices[0].message.content == first.choices[0].message.content
+        # The probe lists the prompt's blocks: 128 tokens each, every whole one held.
+        token = (tmp_path / "run" / "admin-token").read_text().strip()
+        req = urllib.request.Request(c.url + "/admin/api/cache/probe",
+                                     data=json.dumps({"model": MODEL, "messages": ask}).encode(),
+                                     headers={"Authorization": f"Bearer {token}",
+                                              "content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            found = json.load(r)
+        assert found["block_tokens"] == 128, found
+        assert len(found["blocks"]) == body // 128, found
+        assert "none" not in found["blocks"], found
+
+
 def test_a_trickled_body_and_a_client_that_stops_reading_are_cut_and_stall_nothing(
         bin_dir, default_model, tmp_path):
     # Both bounds are a minute in a release build; a debug-build switch makes them 2 s here.
