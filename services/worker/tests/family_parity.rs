@@ -361,6 +361,25 @@ fn packed_experts_kept_packed_compute_what_the_dequantised_ones_do() {
             "packed experts: logits differ by {worst}"
         );
     }
+    // A chunk of 4,200 tokens (8,400 token-expert pairs): the codes are expanded to floats
+    // for the products (`EXPAND_FROM_ROWS`), the same arithmetic as the dense model's.
+    let long: Vec<u32> = cases[0].input.iter().copied().cycle().take(4200).collect();
+    let dense = loader::open(&family_dir("qwen3_moe_q4"), DtypePolicy::F32, BLOCK).unwrap();
+    let one_pass = |m: &LoadedModel| {
+        let mut cache = m.model.new_cache(64);
+        let l = m
+            .model
+            .forward(&mut [SeqChunk {
+                tokens: &long,
+                cache: &mut cache,
+            }])
+            .unwrap();
+        l.eval().unwrap();
+        l.as_slice::<f32>().to_vec()
+    };
+    let (packed_logits, dense_logits) = (one_pass(&m), one_pass(&dense));
+    let (worst, tolerance) = difference(&packed_logits, &dense_logits);
+    assert!(worst <= tolerance, "expanded packed experts: logits differ by {worst}");
 }
 
 /// Qwen2-MoE (Qwen1.5-MoE): 2 of 6 experts per token without renormalising, plus the

@@ -20,7 +20,7 @@
 
 use mlx_rs::fast;
 use mlx_rs::ops::indexing::TryIndexOp;
-use mlx_rs::ops::{broadcast_to, concatenate, log1p, matmul, maximum, sigmoid, tri, zeros};
+use mlx_rs::ops::{broadcast_to, concatenate, conv1d, logaddexp, matmul, sigmoid, tri, zeros};
 use mlx_rs::{Array, Dtype};
 use strata_cpu_kernels::gated_delta::Shape;
 
@@ -36,7 +36,7 @@ const STEP_TOKENS: i32 = 4;
 
 /// A layer's own weights, f32, on the device.
 pub(super) struct DeviceWeights {
-    /// The depthwise convolution, `[kernel, channels]` (one row per tap).
+    /// The depthwise convolution in conv1d's layout, `[channels, kernel, 1]`.
     pub conv: Array,
     pub a_log: Array,
     pub dt_bias: Array,
@@ -55,9 +55,7 @@ impl DeviceWeights {
         eps: f32,
     ) -> Result<Self> {
         let (channels, kernel) = (shape.channels() as i32, shape.conv_kernel as i32);
-        let conv = Array::from_slice(conv, &[channels, kernel])
-            .transpose_axes(&[1, 0])?
-            .contiguous()?;
+        let conv = Array::from_slice(conv, &[channels, kernel, 1]);
         let weights = Self {
             conv,
             a_log: Array::from_slice(a_log, &[a_log.len() as i32]),
@@ -107,15 +105,13 @@ fn silu(x: &Array) -> Result<Array> {
 }
 
 fn softplus(x: &Array) -> Result<Array> {
-    // max(x, 0) + log(1 + e^-|x|): no overflow for large |x|.
-    Ok(maximum(x, Array::from_f32(0.0))?.add(log1p(x.abs()?.negative()?.exp()?)?)?)
+    // log(e^x + 1), one fused operation (a decode step runs a few thousand small ones).
+    Ok(logaddexp(x, Array::from_f32(0.0))?)
 }
 
 /// `x` (`[rows, heads, dim]`) scaled to unit RMS (with `eps`) times `factor`.
 fn unit_rms(x: &Array, eps: f32, factor: f32) -> Result<Array> {
-    let mean = x.square()?.mean_axis(-1, true)?;
-    let r = mean.add(Array::from_f32(eps))?.rsqrt()?;
-    Ok(x.multiply(r)?.multiply(Array::from_f32(factor))?)
+    Ok(fast::rms_norm(x, None, eps)?.multiply(Array::from_f32(factor))?)
 }
 
 /// Runs `inputs` through the mixer from `state`; `snapshots_after` are indices (ascending)
@@ -138,21 +134,17 @@ pub(super) fn forward(
     let conv_state = state.try_index(..conv_floats)?.reshape(&[taps, channels])?;
     let s0 = state.try_index(conv_floats..)?.reshape(&[hv, dv, dk])?;
     let xs = concatenate(&[conv_state, f32(inputs.qkv)?], 0)?;
-    let mut conv: Option<Array> = None;
-    for j in 0..kernel {
-        let term = xs
-            .try_index(j..j + t)?
-            .multiply(weights.conv.try_index(j)?)?;
-        conv = Some(match conv {
-            None => term,
-            Some(sum) => sum.add(term)?,
-        });
-    }
-    let Some(conv) = conv else {
-        return Err(super::super::EngineError::Config(
-            "a convolution of no taps".into(),
-        ));
-    };
+    // One depthwise convolution (MLX's conv1d with a group per channel, cross-correlation
+    // as the host kernel computes it): `[1, taps + t, channels]` -> `[1, t, channels]`.
+    let conv = conv1d(
+        xs.expand_dims(0)?,
+        &weights.conv,
+        None,
+        None,
+        None,
+        channels,
+    )?
+    .squeeze_axes(&[0])?;
     let mixed = silu(&conv)?;
     let conv_after =
         |i: i32| -> Result<Array> { Ok(xs.try_index(i + 1..i + 1 + taps)?.flatten(None, None)?) };
