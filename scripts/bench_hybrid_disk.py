@@ -127,9 +127,16 @@ def main():
                     help="after the restart's hit, also time this many generated tokens")
     ap.add_argument("--kv-ram", default="1GiB")
     ap.add_argument("--memory-budget")
+    ap.add_argument("--tmp", help="keep the cluster's folder (log, cache) here")
+    ap.add_argument("--warmup", type=int, default=0,
+                    help="a prompt of this many tokens first (a GPU compiles its kernels)")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix="strata-hybrid-disk-"))
+    if args.tmp:
+        tmp = pathlib.Path(args.tmp)
+        tmp.mkdir(parents=True, exist_ok=True)
+    else:
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix="strata-hybrid-disk-"))
     model = tmp / "model"
     model.mkdir()
     for f in pathlib.Path(args.model).iterdir():
@@ -141,6 +148,9 @@ def main():
     (model / "config.json").write_text(json.dumps(config, indent=1))
     c = Cluster(args, model, tmp)
     c.start()
+    if args.warmup:
+        rng = random.Random(1)
+        c.complete([rng.randrange(100, args.ids_max) for _ in range(args.warmup)])
     rows, prompts = [], {}
     try:
         for n in lengths:
@@ -195,7 +205,8 @@ def main():
         print(f"| {r['prompt_tokens']} | {r['cold_s']:.1f} s | {r['disk_bytes_added']:,} | "
               f"{r['blocks_added']} | {r['bytes_per_1k_tokens'] / 1e6:.2f} MB | "
               f"{r['after_restart_s']:.2f} s | {r['after_restart_cached_tokens']} |")
-    shutil.rmtree(tmp, ignore_errors=True)
+    if not args.tmp:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
