@@ -379,7 +379,10 @@ fn packed_experts_kept_packed_compute_what_the_dequantised_ones_do() {
     };
     let (packed_logits, dense_logits) = (one_pass(&m), one_pass(&dense));
     let (worst, tolerance) = difference(&packed_logits, &dense_logits);
-    assert!(worst <= tolerance, "expanded packed experts: logits differ by {worst}");
+    assert!(
+        worst <= tolerance,
+        "expanded packed experts: logits differ by {worst}"
+    );
 }
 
 /// Qwen2-MoE (Qwen1.5-MoE): 2 of 6 experts per token without renormalising, plus the
