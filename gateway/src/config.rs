@@ -203,6 +203,11 @@ pub struct ModelConfig {
     /// store fewer bytes per token with longer blocks; hits still resume at message ends.
     #[serde(default)]
     pub block_tokens: Option<usize>,
+    /// Tokens of a synthetic prompt the worker runs once at load, so that MLX compiles its
+    /// GPU kernels before the first request [default: the worker's, 4096 on a GPU, 0 on
+    /// the CPU].
+    #[serde(default)]
+    pub warmup_tokens: Option<usize>,
     /// Load when `strata up` starts even if not pinned [default: only pinned models start
     /// loaded; the others load on their first request].
     #[serde(default)]
@@ -232,6 +237,7 @@ impl ModelConfig {
             parked_bytes: None,
             prefill_chunk_tokens: None,
             block_tokens: None,
+            warmup_tokens: None,
             preload: false,
             idle_ttl_secs: None,
         }

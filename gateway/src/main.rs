@@ -787,6 +787,11 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
                     .iter()
                     .flat_map(|n| ["--block-tokens".to_string(), n.to_string()]),
             )
+            .chain(
+                m.warmup_tokens
+                    .iter()
+                    .flat_map(|n| ["--warmup-tokens".to_string(), n.to_string()]),
+            )
             .collect(),
             socket,
             envs: child_envs.clone(),

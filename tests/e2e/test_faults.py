@@ -402,13 +402,15 @@ def test_blocks_still_on_their_way_to_the_cache_service_serve_the_next_prompt(
         assert features["parked_kv"].startswith("off (parked_bytes is 0"), features
 
 
-def test_block_tokens_in_strata_toml_sets_the_length_of_cached_blocks(
+def test_block_tokens_and_warmup_tokens_in_strata_toml_reach_the_worker(
         bin_dir, default_model, tmp_path):
     # block_tokens = 128 reaches the worker (`--block-tokens`): the prompt is kept in
-    # 128-token blocks and served back from L0 (parking off, so that it reads blocks).
+    # 128-token blocks and served back from L0 (parking off, so that it reads blocks); and
+    # warmup_tokens (`--warmup-tokens`, off by default on the CPU) runs a pass at load.
     port = pick_port()
     text = one_model_config(tmp_path, port, MODEL, default_model,
-                            model='parked_bytes = "0"\nblock_tokens = 128')
+                            model='parked_bytes = "0"\nblock_tokens = 128\n'
+                                  'warmup_tokens = 300')
     ask = messages("Name the parties in one line.")
     with config_cluster(bin_dir, tmp_path, port, text) as c:
         oai = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0, timeout=120)
@@ -431,6 +433,13 @@ def test_block_tokens_in_strata_toml_sets_the_length_of_cached_blocks(
         assert found["block_tokens"] == 128, found
         assert len(found["blocks"]) == body // 128, found
         assert "none" not in found["blocks"], found
+        # warmup_tokens reached it too: a pass at load, reported in /admin.
+        req = urllib.request.Request(c.url + "/admin/api/workers",
+                                     headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            workers = {w["name"]: w for w in json.load(r)["workers"]}
+        warmup = workers[f"worker-{MODEL}"]["stats"]["features"]["kernel_warmup"]
+        assert warmup.startswith("a 300-token pass and a decode step at load took"), warmup
 
 
 def test_a_trickled_body_and_a_client_that_stops_reading_are_cut_and_stall_nothing(

@@ -101,6 +101,11 @@ enum Command {
         /// the answers may degrade; the log says so).
         #[arg(long)]
         context_length: Option<usize>,
+        /// Tokens of a synthetic prompt run once at load (a prefill and a decode step,
+        /// discarded), so that MLX compiles its GPU kernels before the first request instead
+        /// of during it [default: 4096 on a GPU, 0 on the CPU, where nothing is compiled].
+        #[arg(long)]
+        warmup_tokens: Option<usize>,
         #[command(flatten)]
         draft: DraftArgs,
     },
@@ -419,6 +424,7 @@ fn main() -> anyhow::Result<()> {
             cache_exact,
             kv_cache_bits,
             context_length,
+            warmup_tokens,
             draft,
         } => {
             let runtime = tokio::runtime::Runtime::new().context("start the tokio runtime")?;
@@ -492,26 +498,28 @@ fn main() -> anyhow::Result<()> {
                     let id = model_id.unwrap_or_else(|| default_model_id(path));
                     let budget = memory_budget
                         .unwrap_or(strata_worker::admission::physical_bytes() / 10 * 8);
-                    Some(serving(
-                        id,
-                        loaded,
-                        EngineOptions {
-                            store_decode_kv,
-                            last_token_alone: cache_exact,
-                            // Exact hits repeat a cold run's passes only if a hit's first
-                            // pass is shaped as the cold run's was: one block each.
-                            prefill_chunk_tokens: if cache_exact {
-                                block_tokens
-                            } else {
-                                args.options(&info.device).prefill_chunk_tokens
-                            },
-                            ..args.options(&info.device)
+                    let options = EngineOptions {
+                        store_decode_kv,
+                        last_token_alone: cache_exact,
+                        // Exact hits repeat a cold run's passes only if a hit's first
+                        // pass is shaped as the cold run's was: one block each.
+                        prefill_chunk_tokens: if cache_exact {
+                            block_tokens
+                        } else {
+                            args.options(&info.device).prefill_chunk_tokens
                         },
-                        queue,
-                        max_batch,
-                        budget,
-                        l0_bytes,
-                    ))
+                        ..args.options(&info.device)
+                    };
+                    let warmup_tokens = warmup_tokens.unwrap_or(if info.device == "cpu" {
+                        0
+                    } else {
+                        DEFAULT_GPU_WARMUP_TOKENS
+                    });
+                    let warmup = warm_up(&loaded, warmup_tokens, &options);
+                    let mut served =
+                        serving(id, loaded, options, queue, max_batch, budget, l0_bytes);
+                    served.features.push(("kernel_warmup".into(), warmup));
+                    Some(served)
                 }
                 None => None,
             };
@@ -650,6 +658,56 @@ fn default_model_id(path: &std::path::Path) -> String {
 const CPU_MLX_CACHE_LIMIT: u64 = 128 << 20;
 
 /// Puts a loaded model behind the engine thread.
+/// Tokens of the load-time warm-up on a GPU: one 4096-token pass (the default pass there)
+/// and a decode step compile the kernels a request uses. For Qwen3.6-35B-A3B's shape on an
+/// H100 that was 137 s spent in the first requests (docs/BENCHMARKS.md).
+const DEFAULT_GPU_WARMUP_TOKENS: usize = 4096;
+
+/// Runs a synthetic prompt of `tokens` tokens and one decode step through the engine,
+/// outside the scheduler and the caches (nothing is stored or parked), so that MLX compiles
+/// its GPU kernels now rather than in the first requests. Returns what /admin reports; a
+/// failure is reported there and in the log, and the worker serves anyway.
+fn warm_up(loaded: &LoadedModel, tokens: usize, options: &EngineOptions) -> String {
+    if tokens == 0 {
+        return "off (--warmup-tokens 0; the CPU default: MLX compiles no kernels there)".into();
+    }
+    let config = loaded.model.config();
+    let tokens = tokens.min(config.context_length.saturating_sub(1)).max(1);
+    let vocab = config.vocab_size.max(1);
+    // Ids spread over the vocabulary (any ids do: only the shapes matter).
+    let ids: Vec<u32> = (0..tokens).map(|i| (i * 7919 % vocab) as u32).collect();
+    let started = std::time::Instant::now();
+    let run = || -> strata_worker::engine::Result<()> {
+        let mut cache = loaded.model.new_cache(options.kv_step_tokens);
+        let logits = loaded.prefill(&mut cache, &ids, options, |_| Ok(()))?;
+        let next = strata_worker::engine::sample::argmax(&logits) as u32;
+        let step = loaded
+            .model
+            .forward(&mut [strata_worker::engine::llama::SeqChunk {
+                tokens: &[next],
+                cache: &mut cache,
+            }])?;
+        step.eval()?;
+        Ok(())
+    };
+    let outcome = run();
+    let seconds = started.elapsed().as_secs_f64();
+    mlx_device::release_free_memory();
+    match outcome {
+        Ok(()) => {
+            tracing::info!(tokens, seconds, "kernels warmed up");
+            format!(
+                "a {tokens}-token pass and a decode step at load took {seconds:.1} s (MLX \
+                 compiles GPU kernels at first use: not in the first requests)"
+            )
+        }
+        Err(e) => {
+            tracing::warn!(tokens, error = %e, "the load-time warm-up failed; serving anyway");
+            format!("FAILED after {seconds:.1} s ({e}); the first requests compile the kernels")
+        }
+    }
+}
+
 fn serving(
     id: String,
     loaded: LoadedModel,
