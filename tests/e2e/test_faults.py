@@ -433,13 +433,15 @@ def test_block_tokens_and_warmup_tokens_in_strata_toml_reach_the_worker(
         assert found["block_tokens"] == 128, found
         assert len(found["blocks"]) == body // 128, found
         assert "none" not in found["blocks"], found
-        # warmup_tokens reached it too: a pass at load, reported in /admin.
+        # warmup_tokens reached it too: a pass on the engine thread before the first
+        # request, and what it took, in /admin.
         req = urllib.request.Request(c.url + "/admin/api/workers",
                                      headers={"Authorization": f"Bearer {token}"})
         with urllib.request.urlopen(req, timeout=10) as r:
             workers = {w["name"]: w for w in json.load(r)["workers"]}
         warmup = workers[f"worker-{MODEL}"]["stats"]["features"]["kernel_warmup"]
-        assert warmup.startswith("a 300-token pass and a decode step at load took"), warmup
+        assert warmup.startswith("on: a 300-token pass and a decode step"), warmup
+        assert "; took " in warmup, warmup
 
 
 def test_a_trickled_body_and_a_client_that_stops_reading_are_cut_and_stall_nothing(

@@ -515,11 +515,12 @@ fn main() -> anyhow::Result<()> {
                     } else {
                         DEFAULT_GPU_WARMUP_TOKENS
                     });
-                    let warmup = warm_up(&loaded, warmup_tokens, &options);
-                    let mut served =
-                        serving(id, loaded, options, queue, max_batch, budget, l0_bytes);
-                    served.features.push(("kernel_warmup".into(), warmup));
-                    Some(served)
+                    let engine = EngineThread {
+                        queue,
+                        max_batch,
+                        warmup_tokens,
+                    };
+                    Some(serving(id, loaded, options, engine, budget, l0_bytes))
                 }
                 None => None,
             };
@@ -662,14 +663,30 @@ const CPU_MLX_CACHE_LIMIT: u64 = 128 << 20;
 /// and a decode step compile the kernels a request uses. For Qwen3.6-35B-A3B's shape on an
 /// H100 that was 137 s spent in the first requests (docs/BENCHMARKS.md).
 const DEFAULT_GPU_WARMUP_TOKENS: usize = 4096;
+/// The warm-up's entry in /admin's features (its time is added once it is done).
+const WARMUP_FEATURE: &str = strata_worker::grpc::WARMUP_FEATURE;
 
-/// Runs a synthetic prompt of `tokens` tokens and one decode step through the engine,
-/// outside the scheduler and the caches (nothing is stored or parked), so that MLX compiles
-/// its GPU kernels now rather than in the first requests. Returns what /admin reports; a
-/// failure is reported there and in the log, and the worker serves anyway.
-fn warm_up(loaded: &LoadedModel, tokens: usize, options: &EngineOptions) -> String {
+/// How the engine thread runs: jobs that may wait, sequences per step, and the tokens of
+/// the load-time warm-up (0: none).
+struct EngineThread {
+    queue: usize,
+    max_batch: usize,
+    warmup_tokens: usize,
+}
+
+/// Runs a synthetic prompt of `tokens` tokens and one decode step through the engine on its
+/// thread, before the first job and outside the caches (nothing is stored or parked), so that
+/// MLX compiles its GPU kernels then rather than in the first requests (requests sent
+/// meanwhile wait in the queue, as they would for the compiling). The time goes to the
+/// counters (/admin) and the log; a failure is reported there and the worker serves anyway.
+fn warm_up(
+    loaded: &LoadedModel,
+    tokens: usize,
+    options: &EngineOptions,
+    counters: &strata_worker::scheduler::Counters,
+) {
     if tokens == 0 {
-        return "off (--warmup-tokens 0; the CPU default: MLX compiles no kernels there)".into();
+        return;
     }
     let config = loaded.model.config();
     let tokens = tokens.min(config.context_length.saturating_sub(1)).max(1);
@@ -694,29 +711,30 @@ fn warm_up(loaded: &LoadedModel, tokens: usize, options: &EngineOptions) -> Stri
     let seconds = started.elapsed().as_secs_f64();
     mlx_device::release_free_memory();
     match outcome {
-        Ok(()) => {
-            tracing::info!(tokens, seconds, "kernels warmed up");
-            format!(
-                "a {tokens}-token pass and a decode step at load took {seconds:.1} s (MLX \
-                 compiles GPU kernels at first use: not in the first requests)"
-            )
-        }
+        Ok(()) => tracing::info!(tokens, seconds, "kernels warmed up"),
         Err(e) => {
-            tracing::warn!(tokens, error = %e, "the load-time warm-up failed; serving anyway");
-            format!("FAILED after {seconds:.1} s ({e}); the first requests compile the kernels")
+            counters.warmup_failed.store(true, Ordering::Relaxed);
+            tracing::warn!(tokens, seconds, error = %e, "the load-time warm-up failed; serving anyway");
         }
     }
+    counters
+        .warmup_ms
+        .store(((seconds * 1000.0) as u64).max(1), Ordering::Relaxed);
 }
 
 fn serving(
     id: String,
     loaded: LoadedModel,
     options: EngineOptions,
-    queue: usize,
-    max_batch: usize,
+    engine: EngineThread,
     budget: u64,
     l0_bytes: u64,
 ) -> Serving {
+    let EngineThread {
+        queue,
+        max_batch,
+        warmup_tokens,
+    } = engine;
     // MLX keeps freed buffers for reuse; bound that cache so it cannot eat the budget. On the
     // CPU its buffers are plain malloc blocks that glibc keeps mapped anyway
     // (`keep_freed_memory_mapped`), so a large cache only holds memory: SmolLM2 with a 4K
@@ -839,6 +857,18 @@ fn serving(
         ),
     ];
     features.push((
+        WARMUP_FEATURE.into(),
+        if warmup_tokens == 0 {
+            "off (--warmup-tokens 0; the CPU's default: MLX compiles no kernels there)".into()
+        } else {
+            format!(
+                "on: a {warmup_tokens}-token pass and a decode step on the engine thread before \
+                 the first request (MLX compiles GPU kernels at first use)"
+            )
+        },
+    ));
+    let warmup_options = options;
+    features.push((
         strata_worker::engine::speculative::FEATURE.into(),
         match &loaded.draft {
             Some(d) => format!(
@@ -905,7 +935,9 @@ fn serving(
         template,
         kv_layout: loaded.model.kv_layout(),
         admission,
-        scheduler: Scheduler::start(loaded, options, queue, max_batch),
+        scheduler: Scheduler::start_after(loaded, options, queue, max_batch, move |m, c| {
+            warm_up(m, warmup_tokens, &warmup_options, c)
+        }),
         context_length,
         prefix_cache: None,
         images,

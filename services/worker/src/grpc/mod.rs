@@ -2,4 +2,4 @@
 
 mod service;
 
-pub use service::{EmbeddingServing, ModelInfo, Served, Serving, WorkerService};
+pub use service::{EmbeddingServing, ModelInfo, Served, Serving, WARMUP_FEATURE, WorkerService};

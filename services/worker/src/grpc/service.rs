@@ -899,6 +899,9 @@ fn last_per_block(mut positions: Vec<usize>, block: usize) -> Vec<usize> {
     out
 }
 
+/// /admin's feature entry of the load-time warm-up (`strata-worker serve --warmup-tokens`).
+pub const WARMUP_FEATURE: &str = "kernel_warmup";
+
 /// The features as configured, with what the accelerators did so far.
 fn live_features(serving: &Serving) -> std::collections::HashMap<String, String> {
     let c = &serving.scheduler.counters;
@@ -924,6 +927,16 @@ fn live_features(serving: &Serving) -> std::collections::HashMap<String, String>
             "; so far {pruned} prompts pruned, {} tokens left out",
             c.pruned_tokens.load(Ordering::Relaxed)
         ));
+    }
+    if let Some(v) = out.get_mut(WARMUP_FEATURE) {
+        match c.warmup_ms.load(Ordering::Relaxed) {
+            0 => {}
+            ms if c.warmup_failed.load(Ordering::Relaxed) => v.push_str(&format!(
+                "; FAILED after {:.1} s (see the log)",
+                ms as f64 / 1e3
+            )),
+            ms => v.push_str(&format!("; took {:.1} s", ms as f64 / 1e3)),
+        }
     }
     if let Some(v) = out.get_mut("kv_readback") {
         let (driver, fallback) = (

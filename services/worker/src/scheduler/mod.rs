@@ -71,6 +71,10 @@ pub struct Counters {
     /// Prompt tokens SpecPrefill left out, and requests it pruned.
     pub pruned_tokens: AtomicU64,
     pub pruned_requests: AtomicU64,
+    /// The load-time warm-up (`Scheduler::start_after`): milliseconds it took once done
+    /// (0 before), and whether it failed.
+    pub warmup_ms: AtomicU64,
+    pub warmup_failed: AtomicBool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -132,6 +136,18 @@ impl Scheduler {
         capacity: usize,
         max_batch: usize,
     ) -> Self {
+        Self::start_after(model, options, capacity, max_batch, |_, _| {})
+    }
+
+    /// As `start`, running `first` on the engine thread before the first job (the load-time
+    /// warm-up): jobs submitted meanwhile wait in the queue.
+    pub fn start_after<M: BatchModel>(
+        model: M,
+        options: EngineOptions,
+        capacity: usize,
+        max_batch: usize,
+        first: impl FnOnce(&M, &Counters) + Send + 'static,
+    ) -> Self {
         let (jobs, rx) = sync_channel::<Job>(capacity);
         let counters = Arc::new(Counters::default());
         let c = counters.clone();
@@ -141,6 +157,7 @@ impl Scheduler {
             .name("engine".into())
             .spawn(move || {
                 let _flag = flag;
+                first(&model, &c);
                 run(&model, &options, rx, max_batch.max(1), &c)
             });
         let thread = match spawned {
