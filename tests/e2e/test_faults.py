@@ -362,6 +362,23 @@ def test_a_stopping_cluster_stores_the_blocks_its_workers_still_hold(bin_dir, de
         assert again.choices[0].message.content == first.choices[0].message.content
 
 
+def admin_json(c, tmp_path, path, body=None):
+    """An admin API answer (GET, or POST of `body`) with the cluster's admin token."""
+    token = (tmp_path / "run" / "admin-token").read_text().strip()
+    req = urllib.request.Request(c.url + path,
+                                 data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Authorization": f"Bearer {token}",
+                                          "content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.load(r)
+
+
+def worker_features(c, tmp_path):
+    """The default model's worker's features, as /admin reports them."""
+    workers = {w["name"]: w for w in admin_json(c, tmp_path, "/admin/api/workers")["workers"]}
+    return workers[f"worker-{MODEL}"]["stats"]["features"]
+
+
 def test_blocks_still_on_their_way_to_the_cache_service_serve_the_next_prompt(
         bin_dir, default_model, tmp_path):
     # L0 is off and every Store call is held back 6 s (a debug-build fault switch): the same
@@ -389,12 +406,7 @@ def test_blocks_still_on_their_way_to_the_cache_service_serve_the_next_prompt(
         assert tiers["l1"] + tiers["l2"] == 0, tiers
         assert again.choices[0].message.content == first.choices[0].message.content
         # strata.toml's settings reached the worker, and /admin says how it runs.
-        token = (tmp_path / "run" / "admin-token").read_text().strip()
-        req = urllib.request.Request(c.url + "/admin/api/workers",
-                                     headers={"Authorization": f"Bearer {token}"})
-        with urllib.request.urlopen(req, timeout=10) as r:
-            workers = {w["name"]: w for w in json.load(r)["workers"]}
-        features = workers[f"worker-{MODEL}"]["stats"]["features"]
+        features = worker_features(c, tmp_path)
         assert features["prefill_chunks"].startswith("512 tokens per pass on the cpu"), features
         assert "L0 off" in features["prefix_cache"], features
         assert features["kv_readback"].startswith("direct read"), features
@@ -423,23 +435,14 @@ def test_block_tokens_and_warmup_tokens_in_strata_toml_reach_the_worker(
         assert again.usage.model_extra["strata_cached_tokens_by_tier"]["l0"] == body
         assert again.choices[0].message.content == first.choices[0].message.content
         # The probe lists the prompt's blocks: 128 tokens each, every whole one held.
-        token = (tmp_path / "run" / "admin-token").read_text().strip()
-        req = urllib.request.Request(c.url + "/admin/api/cache/probe",
-                                     data=json.dumps({"model": MODEL, "messages": ask}).encode(),
-                                     headers={"Authorization": f"Bearer {token}",
-                                              "content-type": "application/json"})
-        with urllib.request.urlopen(req, timeout=30) as r:
-            found = json.load(r)
+        found = admin_json(c, tmp_path, "/admin/api/cache/probe",
+                           {"model": MODEL, "messages": ask})
         assert found["block_tokens"] == 128, found
         assert len(found["blocks"]) == body // 128, found
         assert "none" not in found["blocks"], found
         # warmup_tokens reached it too: a pass on the engine thread before the first
         # request, and what it took, in /admin.
-        req = urllib.request.Request(c.url + "/admin/api/workers",
-                                     headers={"Authorization": f"Bearer {token}"})
-        with urllib.request.urlopen(req, timeout=10) as r:
-            workers = {w["name"]: w for w in json.load(r)["workers"]}
-        warmup = workers[f"worker-{MODEL}"]["stats"]["features"]["kernel_warmup"]
+        warmup = worker_features(c, tmp_path)["kernel_warmup"]
         assert warmup.startswith("on: a 300-token pass and a decode step"), warmup
         assert "; took " in warmup, warmup
 

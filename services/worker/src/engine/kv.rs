@@ -243,16 +243,19 @@ impl KvCache {
             .collect()
     }
 
+    fn recurrent_layer(&mut self, layer: usize) -> Result<&mut StateFloats> {
+        self.recurrent
+            .get_mut(layer)
+            .ok_or_else(|| EngineError::Config(format!("recurrent layer {layer} out of range")))
+    }
+
     /// Recurrent layer `layer`'s state: (convolution inputs, recurrent state).
     pub fn recurrent_state(&mut self, layer: usize) -> Result<(&mut [f32], &mut [f32])> {
         let r = self
             .layout
             .recurrent
             .ok_or_else(|| EngineError::Config("no recurrent layers in this cache".into()))?;
-        let state = self
-            .recurrent
-            .get_mut(layer)
-            .ok_or_else(|| EngineError::Config(format!("recurrent layer {layer} out of range")))?;
+        let state = self.recurrent_layer(layer)?;
         if let StateFloats::Device(_) = state {
             *state = StateFloats::Host(state.to_host()?.into_owned());
         }
@@ -267,10 +270,7 @@ impl KvCache {
     /// Recurrent layer `layer`'s state as one f32 array (`[conv_floats + state_floats]`), for
     /// the recurrence on the device; a host state is copied up once and stays there.
     pub fn recurrent_array(&mut self, layer: usize) -> Result<Array> {
-        let state = self
-            .recurrent
-            .get_mut(layer)
-            .ok_or_else(|| EngineError::Config(format!("recurrent layer {layer} out of range")))?;
+        let state = self.recurrent_layer(layer)?;
         if let StateFloats::Host(floats) = state {
             *state = StateFloats::Device(Array::from_slice(floats, &[floats.len() as i32]));
         }
@@ -284,10 +284,7 @@ impl KvCache {
 
     /// Replaces recurrent layer `layer`'s state by `array` (as `recurrent_array` gave it).
     pub fn set_recurrent_array(&mut self, layer: usize, array: Array) -> Result<()> {
-        let state = self
-            .recurrent
-            .get_mut(layer)
-            .ok_or_else(|| EngineError::Config(format!("recurrent layer {layer} out of range")))?;
+        let state = self.recurrent_layer(layer)?;
         *state = StateFloats::Device(array);
         Ok(())
     }
@@ -821,6 +818,17 @@ impl KvCache {
                      there"
                 ))
             })?;
+        // Device states are computed together first: one synchronisation, not one a layer.
+        let on_device: Vec<&Array> = snapshot
+            .iter()
+            .filter_map(|layer| match layer {
+                StateFloats::Device(a) => Some(a),
+                StateFloats::Host(_) => None,
+            })
+            .collect();
+        if !on_device.is_empty() {
+            mlx_rs::transforms::eval(on_device)?;
+        }
         for layer in snapshot {
             out.extend(layer.to_host()?.iter().flat_map(|x| x.to_le_bytes()));
         }

@@ -233,14 +233,14 @@ struct Recurrence {
     log_g: Array,
 }
 
+/// What running the rule over some tokens gives: outputs `[t, hv, dv]`, the state after the
+/// last token, and the states after each asked-for token.
+type Stepped = (Array, Array, Vec<Array>);
+
 impl Recurrence {
     /// Token by token: outputs `[t, hv, dv]`, the final state and the states after
     /// `snapshots_after`.
-    fn by_token(
-        &self,
-        mut s: Array,
-        snapshots_after: &[usize],
-    ) -> Result<(Array, Array, Vec<Array>)> {
+    fn by_token(&self, mut s: Array, snapshots_after: &[usize]) -> Result<Stepped> {
         let (hv, dk, dv) = (self.hv, self.dk, self.dv);
         let t = self.q.shape()[0];
         let mut ys = Vec::with_capacity(t as usize);
@@ -265,11 +265,7 @@ impl Recurrence {
     /// The chunked form. The tokens are cut into segments ending after each snapshot point
     /// and at the end, each padded with identity steps (`k = v = 0`, `β = 0`, no decay) to
     /// whole chunks, so that every snapshot is a state between two chunks.
-    fn by_chunk(
-        &self,
-        mut s: Array,
-        snapshots_after: &[usize],
-    ) -> Result<(Array, Array, Vec<Array>)> {
+    fn by_chunk(&self, mut s: Array, snapshots_after: &[usize]) -> Result<Stepped> {
         let (hv, dk, dv) = (self.hv, self.dk, self.dv);
         let t = self.q.shape()[0];
         let mut ends: Vec<i32> = snapshots_after

@@ -71,38 +71,36 @@ impl ExpertWeights {
     fn apply(&self, x: &Array, chosen: &Array, sorted: bool) -> Result<Array> {
         Ok(match self {
             Self::Dense(w) => gather_mm(x, w, None, chosen, sorted)?,
-            // Many sorted rows: the codes expanded once and one float product per expert.
-            // On an H100 at 4,096 tokens (32K pairs) of Qwen3.6-35B-A3B's experts this took
-            // 1.7 ms a projection against 12.3 ms for MLX 0.32's gather_qmm; level at 4K
-            // pairs (docs/BENCHMARKS.md, scripts/gpu_moe_kernels.py).
             Self::Packed {
                 weight,
                 scales,
                 biases,
                 group_size,
                 bits,
-            } if sorted && x.shape()[0] >= EXPAND_FROM_ROWS => {
-                let dense = dequantize(weight, scales, biases, *group_size, *bits)?;
-                gather_mm(x, dense.swap_axes(-1, -2)?, None, chosen, true)?
+            } => {
+                if sorted && x.shape()[0] >= EXPAND_FROM_ROWS {
+                    // Many sorted rows: the codes expanded once and one float product per
+                    // expert. On an H100 at 4,096 tokens (32K pairs) of Qwen3.6-35B-A3B's
+                    // experts this took 1.7 ms a projection against 12.3 ms for MLX 0.32's
+                    // gather_qmm; level at 4K pairs (docs/BENCHMARKS.md,
+                    // scripts/gpu_moe_kernels.py).
+                    let dense = dequantize(weight, scales, biases, *group_size, *bits)?;
+                    gather_mm(x, dense.swap_axes(-1, -2)?, None, chosen, true)?
+                } else {
+                    gather_qmm(
+                        x,
+                        weight,
+                        scales,
+                        biases,
+                        None,
+                        chosen,
+                        true,
+                        *group_size,
+                        *bits,
+                        sorted,
+                    )?
+                }
             }
-            Self::Packed {
-                weight,
-                scales,
-                biases,
-                group_size,
-                bits,
-            } => gather_qmm(
-                x,
-                weight,
-                scales,
-                biases,
-                None,
-                chosen,
-                true,
-                *group_size,
-                *bits,
-                sorted,
-            )?,
         })
     }
 }
