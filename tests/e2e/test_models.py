@@ -365,11 +365,16 @@ def test_a_hybrid_model_resumes_a_branch_at_any_earlier_message_end(bin_dir, tmp
                     {"role": "user", "content": words(50, 10)}]
     shared = 63 + 303 + 303
 
-    def ask(client, messages):
+    def answer(client, messages, salt=None):
+        extra = {"ignore_eos": True}
+        if salt:
+            extra["cache_salt"] = salt
         r = client.chat.completions.create(
-            model="qwen3_5", temperature=0, max_tokens=2, messages=messages,
-            extra_body={"ignore_eos": True})
-        return r.usage.prompt_tokens_details.cached_tokens
+            model="qwen3_5", temperature=0, max_tokens=4, messages=messages, extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens, r.choices[0].message.content
+
+    def ask(client, messages):
+        return answer(client, messages)[0]
 
     port = pick_port()
     config = one_model_config(tmp_path, port, "qwen3_5", FAMILIES_DIR / "qwen3_5")
@@ -379,4 +384,17 @@ def test_a_hybrid_model_resumes_a_branch_at_any_earlier_message_end(bin_dir, tmp
         assert ask(client, head + [{"role": "user", "content": words(60, 12)}]) == shared
     with config_cluster(bin_dir, tmp_path, port, config) as c:
         client = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0)
-        assert ask(client, head + [{"role": "user", "content": words(70, 5)}]) == shared
+        branch = head + [{"role": "user", "content": words(70, 5)}]
+        cached, text = answer(client, branch)
+        assert cached == shared
+        # The disk tier gave its 2 whole blocks' K/V without their recurrent snapshots (the
+        # hit resumes from the message end's snapshot only), and the answer is a cold run's
+        # (another cache salt: nothing cached).
+        token = (tmp_path / "run" / "admin-token").read_text().strip()
+        req = urllib.request.Request(c.url + "/admin/api/workers",
+                                     headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            workers = {w["name"]: w for w in json.load(r)["workers"]}
+        stats = workers["worker-qwen3_5"]["stats"]["prefix_cache"]
+        assert stats["snapshot_bytes_skipped"] > 0, stats
+        assert answer(client, branch, salt="cold") == (0, text)

@@ -114,6 +114,7 @@ async fn workers(State(state): State<AppState>) -> Json<Value> {
                         "parked_resumed_tokens": p.parked_resumed_tokens,
                         "parked_evicted": p.parked_evicted,
                         "parked_refused": p.parked_refused,
+                        "snapshot_bytes_skipped": p.snapshot_bytes_skipped,
                     })),
                 });
             }

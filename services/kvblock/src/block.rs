@@ -112,6 +112,65 @@ pub fn verify(block: &Block) -> Result<BlockKey, BlockError> {
     if payload_checksum(&block.payload)[..] != h.payload_checksum[..] {
         return Err(BlockError::ChecksumMismatch);
     }
+    // The K/V part's own checksum must agree too, or a later read of that part alone would
+    // trust other bytes than a whole read does.
+    if !h.kv_checksum.is_empty()
+        && payload_checksum(&block.payload[..kv_bytes(h) as usize])[..] != h.kv_checksum[..]
+    {
+        return Err(BlockError::ChecksumMismatch);
+    }
+    BlockKey::from_slice(&h.key).ok_or(BlockError::BadKeyLength)
+}
+
+/// Bytes of a block's recurrent snapshots, at the end of its payload (0 for attention-only
+/// models). Call on a verified header: its sizes are known to fit.
+pub fn snapshot_bytes(h: &BlockHeader) -> u64 {
+    u64::from(h.recurrent_layers).saturating_mul(h.recurrent_floats.saturating_mul(4))
+}
+
+/// Bytes of a block's K/V part, before its snapshots.
+pub fn kv_bytes(h: &BlockHeader) -> u64 {
+    h.payload_bytes.saturating_sub(snapshot_bytes(h))
+}
+
+/// Whether `block`'s payload carries its recurrent snapshots (every whole block does; one
+/// fetched with `snapshot_of_last_only` may carry its K/V part alone).
+pub fn carries_snapshots(block: &Block) -> bool {
+    block
+        .header
+        .as_ref()
+        .is_some_and(|h| block.payload.len() as u64 == h.payload_bytes)
+}
+
+/// A block with its K/V part only (the payload shares the original's bytes). Blocks without
+/// snapshots, or without a K/V checksum to verify the part by, come back unchanged.
+pub fn without_snapshots(block: &Block) -> Block {
+    let mut out = block.clone();
+    if let Some(h) = &block.header
+        && snapshot_bytes(h) > 0
+        && h.kv_checksum.len() == 16
+        && carries_snapshots(block)
+    {
+        out.payload = block.payload.slice(..kv_bytes(h) as usize);
+    }
+    out
+}
+
+/// Checks a block that came with its K/V part only: the header as `verify` does, the part's
+/// size and its own checksum. Returns its key.
+pub fn verify_kv_part(block: &Block) -> Result<BlockKey, BlockError> {
+    let h = block.header.as_ref().ok_or(BlockError::NoHeader)?;
+    verify_header(h)?;
+    let got = block.payload.len() as u64;
+    if got != kv_bytes(h) {
+        return Err(BlockError::SizeMismatch {
+            got,
+            declared: kv_bytes(h),
+        });
+    }
+    if h.kv_checksum.len() != 16 || payload_checksum(&block.payload)[..] != h.kv_checksum[..] {
+        return Err(BlockError::ChecksumMismatch);
+    }
     BlockKey::from_slice(&h.key).ok_or(BlockError::BadKeyLength)
 }
 
@@ -185,7 +244,7 @@ pub fn verify_header(h: &BlockHeader) -> Result<(), BlockError> {
             expected: expected.unwrap_or(u64::MAX),
         });
     }
-    if h.payload_checksum.len() != 16 {
+    if h.payload_checksum.len() != 16 || !matches!(h.kv_checksum.len(), 0 | 16) {
         return Err(BlockError::ChecksumMismatch);
     }
     Ok(())
@@ -274,6 +333,57 @@ pub fn read_file_verified(path: &std::path::Path, key: &BlockKey) -> Result<Bloc
     }
 }
 
+/// Reads the K/V part of a hybrid model's block file, without its snapshots, and checks it
+/// is the block `key` names with that part unaltered (its `kv_checksum`). A block without
+/// snapshots, or written before K/V checksums, is read and verified whole.
+pub fn read_file_kv_verified(
+    path: &std::path::Path,
+    key: &BlockKey,
+) -> Result<Block, FileReadError> {
+    use std::io::{Read, Seek, SeekFrom};
+    let corrupt = |why: &str| FileReadError::Corrupt(why.to_string());
+    let mut file = std::fs::File::open(path).map_err(FileReadError::Io)?;
+    let mut lead = [0u8; FILE_MAGIC.len() + 4];
+    file.read_exact(&mut lead)
+        .map_err(|_| corrupt("truncated"))?;
+    if &lead[..FILE_MAGIC.len()] != FILE_MAGIC {
+        return Err(corrupt("bad magic"));
+    }
+    let mut len = [0u8; 4];
+    len.copy_from_slice(&lead[FILE_MAGIC.len()..]);
+    let len = u32::from_le_bytes(len) as usize;
+    // A header is a few KB (token ids and layer kinds); a larger length is a damaged file,
+    // not an allocation to make.
+    if len > 1 << 24 {
+        return Err(corrupt("header length out of range"));
+    }
+    let mut header = vec![0u8; len];
+    file.read_exact(&mut header)
+        .map_err(|_| corrupt("truncated header"))?;
+    let header = BlockHeader::decode(&header[..])
+        .map_err(|e| FileReadError::Corrupt(format!("header: {e}")))?;
+    if snapshot_bytes(&header) == 0 || header.kv_checksum.is_empty() {
+        drop(file);
+        return read_file_verified(path, key).map(|b| without_snapshots(&b));
+    }
+    verify_header(&header).map_err(|e| FileReadError::Corrupt(e.to_string()))?;
+    let mut payload = vec![0u8; kv_bytes(&header) as usize];
+    file.seek(SeekFrom::Start((lead.len() + len) as u64))
+        .map_err(FileReadError::Io)?;
+    file.read_exact(&mut payload)
+        .map_err(|_| corrupt("truncated payload"))?;
+    let block = Block {
+        header: Some(header),
+        payload: Bytes::from(payload),
+        file: None,
+    };
+    match verify_kv_part(&block) {
+        Ok(k) if k == *key => Ok(block),
+        Ok(_) => Err(corrupt("file holds another block")),
+        Err(e) => Err(FileReadError::Corrupt(e.to_string())),
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum FileReadError {
     #[error("{0}")]
@@ -324,6 +434,7 @@ pub fn make_block_of(
             kv_quant: String::new(),
             recurrent_layers: 0,
             recurrent_floats: 0,
+            kv_checksum: Vec::new(),
         }),
         payload: Bytes::from(payload),
         file: None,
@@ -331,11 +442,14 @@ pub fn make_block_of(
 }
 
 /// Marks `block` (made by `make_block_of` with a payload that ends with the snapshots) as a
-/// hybrid model's: `layers` recurrent layers of `floats` f32 values each after its K/V.
+/// hybrid model's: `layers` recurrent layers of `floats` f32 values each after its K/V, whose
+/// part before them gets its own checksum.
 pub fn with_recurrent_state(mut block: Block, layers: u32, floats: u64) -> Block {
     if let Some(h) = block.header.as_mut() {
         h.recurrent_layers = layers;
         h.recurrent_floats = floats;
+        let kv = (block.payload.len() as u64).saturating_sub(snapshot_bytes(h)) as usize;
+        h.kv_checksum = payload_checksum(&block.payload[..kv]).to_vec();
         h.layer_kinds.extend(std::iter::repeat_n(
             StateKind::Recurrent as i32,
             layers as usize,
@@ -503,5 +617,97 @@ mod tests {
             verify(&plain),
             Err(BlockError::LayoutMismatch { .. })
         ));
+    }
+
+    /// A hybrid block with distinct bytes in its K/V part and its snapshots, written to a
+    /// block file in `dir`.
+    fn hybrid_file(dir: &std::path::Path) -> (Block, std::path::PathBuf, usize) {
+        let kv = 2 * 2 * 4 * 3 * 4;
+        let payload: Vec<u8> = (0..kv + 3 * 5 * 4).map(|i| i as u8).collect();
+        let block = with_recurrent_state(
+            make_block_of("ns", None, vec![1, 2, 3], 4, (2, 1, 4, "float32"), payload),
+            3,
+            5,
+        );
+        let path = dir.join("b.blk");
+        let mut file = encode_file_prefix(&block);
+        file.extend_from_slice(&block.payload);
+        std::fs::write(&path, file).unwrap();
+        (block, path, kv)
+    }
+
+    #[test]
+    fn the_kv_part_of_a_hybrid_block_is_read_and_verified_without_its_snapshots() {
+        let dir = tempfile::tempdir().unwrap();
+        let (block, path, kv) = hybrid_file(dir.path());
+        let key = verify(&block).unwrap();
+        let part = read_file_kv_verified(&path, &key).unwrap();
+        assert_eq!(part.payload, block.payload.slice(..kv));
+        assert_eq!(part.header, block.header);
+        assert!(!carries_snapshots(&part));
+        assert_eq!(verify_kv_part(&part), Ok(key));
+        assert_eq!(without_snapshots(&block).payload, part.payload);
+        // The part is not a whole block, and a whole block is not a part.
+        assert!(matches!(
+            verify(&part),
+            Err(BlockError::SizeMismatch { .. })
+        ));
+        assert!(matches!(
+            verify_kv_part(&block),
+            Err(BlockError::SizeMismatch { .. })
+        ));
+        // Another key, or a K/V byte altered on disk: refused. A snapshot byte altered does
+        // not touch the K/V part, which stays good; a whole read catches it.
+        let other = BlockKey::chain("ns", None, &[9]);
+        assert!(read_file_kv_verified(&path, &other).is_err());
+        let clean = std::fs::read(&path).unwrap();
+        let start = clean.len() - block.payload.len();
+        let mut bytes = clean.clone();
+        bytes[start + 5] ^= 1;
+        std::fs::write(&path, &bytes).unwrap();
+        assert!(matches!(
+            read_file_kv_verified(&path, &key),
+            Err(FileReadError::Corrupt(_))
+        ));
+        let mut bytes = clean.clone();
+        bytes[start + kv + 2] ^= 1;
+        std::fs::write(&path, &bytes).unwrap();
+        assert_eq!(
+            read_file_kv_verified(&path, &key).unwrap().payload,
+            part.payload
+        );
+        assert!(read_file_verified(&path, &key).is_err());
+        // A file cut inside its K/V part, or with a header length past any header.
+        std::fs::write(&path, &clean[..start + kv - 1]).unwrap();
+        assert!(read_file_kv_verified(&path, &key).is_err());
+        let mut bytes = clean.clone();
+        bytes[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+        std::fs::write(&path, &bytes).unwrap();
+        assert!(read_file_kv_verified(&path, &key).is_err());
+    }
+
+    #[test]
+    fn a_kv_checksum_that_disagrees_with_the_payload_is_refused_and_old_blocks_read_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let (block, path, kv) = hybrid_file(dir.path());
+        let mut lying = block.clone();
+        lying.header.as_mut().unwrap().kv_checksum[0] ^= 1;
+        assert_eq!(verify(&lying), Err(BlockError::ChecksumMismatch));
+        let mut short = block.clone();
+        short.header.as_mut().unwrap().kv_checksum.truncate(8);
+        assert_eq!(verify(&short), Err(BlockError::ChecksumMismatch));
+        // A block written before K/V checksums: its part cannot be checked alone, so it is
+        // read whole, verified, then cut.
+        let mut old = block.clone();
+        old.header.as_mut().unwrap().kv_checksum.clear();
+        let key = verify(&old).unwrap();
+        assert_eq!(without_snapshots(&old).payload.len(), old.payload.len());
+        let mut file = encode_file_prefix(&old);
+        file.extend_from_slice(&old.payload);
+        std::fs::write(&path, file).unwrap();
+        let part = read_file_kv_verified(&path, &key).unwrap();
+        assert_eq!(part.payload.len(), old.payload.len());
+        assert!(carries_snapshots(&part));
+        assert!(kv < part.payload.len());
     }
 }

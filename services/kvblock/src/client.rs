@@ -61,17 +61,55 @@ impl CacheClient {
 
     /// The leading blocks of `keys` that the service still holds and that verify, in order.
     /// A block that is gone or fails verification ends the prefix (the caller computes the
-    /// rest): fewer blocks than keys is a partial hit, not an error.
+    /// rest): fewer blocks than keys is a partial hit, not an error. With
+    /// `Snapshots::LastOnly` (a hybrid model's hit), every block but the last one returned
+    /// may carry its K/V part alone (`block::carries_snapshots`).
     pub async fn fetch_prefix(
         &mut self,
         namespace: &str,
         keys: &[BlockKey],
         deadline: Duration,
+        snapshots: Snapshots,
+    ) -> Result<Vec<Block>, ClientError> {
+        let mut out = self
+            .fetch_blocks(namespace, keys, deadline, snapshots)
+            .await?;
+        if let Some(last) = out.last()
+            && !block::carries_snapshots(last)
+        {
+            // The prefix ended early, at a block read without its snapshot: read that one
+            // whole. Without it the blocks before give nothing a recurrent layer can resume
+            // from.
+            let at = out.len() - 1;
+            let whole = self
+                .fetch_blocks(namespace, &keys[at..=at], deadline, Snapshots::Every)
+                .await?;
+            match whole.into_iter().next() {
+                Some(b) => out[at] = b,
+                None => {
+                    tracing::warn!(
+                        blocks = out.len(),
+                        "the last cached block's snapshot could not be read; computing the prompt"
+                    );
+                    out.clear();
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    async fn fetch_blocks(
+        &mut self,
+        namespace: &str,
+        keys: &[BlockKey],
+        deadline: Duration,
+        snapshots: Snapshots,
     ) -> Result<Vec<Block>, ClientError> {
         let mut req = tonic::Request::new(FetchRequest {
             namespace: namespace.to_string(),
             keys: keys.iter().map(|k| k.0.to_vec()).collect(),
             file_reads: true,
+            snapshot_of_last_only: snapshots == Snapshots::LastOnly,
         });
         req.set_timeout(deadline);
         strata_runtime::logging::inject(&mut req);
@@ -102,10 +140,11 @@ impl CacheClient {
                         why: "more blocks than keys".into(),
                     });
                 };
+                let whole = snapshots == Snapshots::Every || index + 1 == keys.len();
                 index += 1;
                 let namespace = namespace.to_string();
                 pending.push_back(tokio::task::spawn_blocking(move || {
-                    resolve(message, &key, &namespace)
+                    resolve(message, &key, &namespace, whole)
                 }));
             }
             let Some(next) = pending.pop_front() else {
@@ -132,16 +171,44 @@ impl CacheClient {
     }
 }
 
+/// Which fetched blocks must carry their recurrent snapshots (hybrid models' blocks end with
+/// them; attention-only models' have none, and both values fetch the same).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Snapshots {
+    Every,
+    /// A hit resumes the recurrent layers from its last block: the others are read without
+    /// their snapshots (for Qwen3.6-35B-A3B's shape at 2048-token blocks, 62% of the bytes).
+    LastOnly,
+}
+
 /// A fetched message as a verified block: read from its file when the service sent a
 /// reference, and checked either way (key, namespace, checksum): the worker trusts nothing it
-/// did not verify.
-fn resolve(message: Block, key: &BlockKey, namespace: &str) -> Result<Block, Unusable> {
+/// did not verify. `whole`: the block must carry its snapshots; otherwise its K/V part alone
+/// is read where that can be verified on its own.
+fn resolve(
+    message: Block,
+    key: &BlockKey,
+    namespace: &str,
+    whole: bool,
+) -> Result<Block, Unusable> {
     let bad = |why: String, from_file: bool| Unusable { why, from_file };
     let block = match &message.file {
-        Some(file) => block::read_file_verified(Path::new(&file.path), key)
-            .map_err(|e| bad(format!("{}: {e}", file.path), true))?,
+        Some(file) => {
+            let path = Path::new(&file.path);
+            let read = if whole {
+                block::read_file_verified(path, key)
+            } else {
+                block::read_file_kv_verified(path, key)
+            };
+            read.map_err(|e| bad(format!("{}: {e}", file.path), true))?
+        }
         None => {
-            match block::verify(&message) {
+            let verified = if whole || block::carries_snapshots(&message) {
+                block::verify(&message)
+            } else {
+                block::verify_kv_part(&message)
+            };
+            match verified {
                 Ok(k) if k == *key => {}
                 Ok(_) => return Err(bad("the service sent another block".into(), false)),
                 Err(e) => return Err(bad(e.to_string(), false)),

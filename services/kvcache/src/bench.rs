@@ -15,7 +15,7 @@ use anyhow::{Context, bail};
 use strata_proto::kvcache::{Block, FetchRequest, StatsRequest};
 
 use crate::block::{BlockKey, make_block};
-use crate::client::CacheClient;
+use crate::client::{CacheClient, Snapshots};
 
 const NS: &str = "bench";
 
@@ -108,7 +108,7 @@ async fn read_all(
     for chunk in keys.chunks(16) {
         if file_reads {
             let got = client
-                .fetch_prefix(NS, chunk, Duration::from_secs(60))
+                .fetch_prefix(NS, chunk, Duration::from_secs(60), Snapshots::Every)
                 .await?;
             if got.len() != chunk.len() {
                 bail!("{} of {} blocks came back", got.len(), chunk.len());
@@ -119,6 +119,7 @@ async fn read_all(
                 namespace: NS.into(),
                 keys: chunk.iter().map(|k| k.0.to_vec()).collect(),
                 file_reads: false,
+                snapshot_of_last_only: false,
             };
             let mut stream = client.rpc().fetch(req).await?.into_inner();
             while let Some(b) = stream.message().await? {

@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use strata_kvcache::block::{BlockKey, make_block, make_block_of};
-use strata_kvcache::client::CacheClient;
+use strata_kvcache::block::{BlockKey, make_block, make_block_of, with_recurrent_state};
+use strata_kvcache::client::{CacheClient, Snapshots};
 use strata_proto::kvcache::kv_cache_client::KvCacheClient;
 use strata_proto::kvcache::{
     Block, FetchRequest, LookupRequest, ReportRequest, StatsRequest, StatsResponse, Tier,
@@ -150,6 +150,7 @@ async fn fetch_in(
         namespace: namespace.into(),
         keys: blocks.iter().map(key).collect(),
         file_reads: false,
+        snapshot_of_last_only: false,
     };
     let mut stream = client.fetch(req).await.unwrap().into_inner();
     let mut out = Vec::new();
@@ -329,6 +330,7 @@ async fn bad_input_gets_clear_statuses_and_changes_nothing() {
             namespace: String::new(),
             keys: vec![key(&blocks[0])],
             file_reads: false,
+            snapshot_of_last_only: false,
         })
         .await
         .unwrap_err();
@@ -338,6 +340,7 @@ async fn bad_input_gets_clear_statuses_and_changes_nothing() {
         namespace: "another-model".into(),
         keys: vec![key(&blocks[0])],
         file_reads: false,
+        snapshot_of_last_only: false,
     };
     let mut stream = c.fetch(req).await.unwrap().into_inner();
     assert_eq!(
@@ -622,6 +625,7 @@ async fn namespace_quotas_evict_within_their_namespace_and_stats_are_per_namespa
         namespace: "small".into(),
         keys: vec![key(&big[0])],
         file_reads: false,
+        snapshot_of_last_only: false,
     };
     let mut s = c.fetch(req).await.unwrap().into_inner();
     assert_eq!(s.message().await.unwrap_err().code(), tonic::Code::NotFound);
@@ -659,7 +663,7 @@ async fn the_worker_client_reads_disk_blocks_from_their_files_and_verifies_them(
         .collect();
     let mut client = CacheClient::connect(&svc.socket, Duration::from_secs(2));
     let got = client
-        .fetch_prefix(NS, &keys, Duration::from_secs(10))
+        .fetch_prefix(NS, &keys, Duration::from_secs(10), Snapshots::Every)
         .await
         .unwrap();
     assert_eq!(got.len(), 6);
@@ -693,7 +697,7 @@ async fn the_worker_client_reads_disk_blocks_from_their_files_and_verifies_them(
     bytes[last] ^= 0x40;
     std::fs::write(&path, bytes).unwrap();
     let got = client
-        .fetch_prefix(NS, &keys, Duration::from_secs(10))
+        .fetch_prefix(NS, &keys, Duration::from_secs(10), Snapshots::Every)
         .await
         .unwrap();
     assert_eq!(got.len(), 3);
@@ -722,10 +726,130 @@ async fn the_worker_client_reads_disk_blocks_from_their_files_and_verifies_them(
     assert_eq!(lookup(&mut svc.client(), &blocks).await.len(), 3);
     // Another namespace's client gets nothing, though it could read the files.
     let got = client
-        .fetch_prefix("someone-else", &keys, Duration::from_secs(10))
+        .fetch_prefix(
+            "someone-else",
+            &keys,
+            Duration::from_secs(10),
+            Snapshots::Every,
+        )
         .await
         .unwrap();
     assert!(got.is_empty());
+    svc.stop();
+}
+
+/// A hybrid model's chain: each block's K/V, then 3 recurrent layers' snapshots of 64 floats.
+fn hybrid_chain(n: usize) -> Vec<Block> {
+    let mut parent: Option<BlockKey> = None;
+    (0..n)
+        .map(|i| {
+            let tokens: Vec<u32> = (0..TOKENS_PER_BLOCK).map(|t| i as u32 * 1000 + t).collect();
+            let bytes = 2 * LAYOUT.0 * LAYOUT.1 * LAYOUT.2 * 4 * TOKENS_PER_BLOCK + 3 * 64 * 4;
+            let payload: Vec<u8> = (0..bytes)
+                .map(|b| (b as usize * 13 + i * 5) as u8)
+                .collect();
+            let block = with_recurrent_state(
+                make_block_of(
+                    NS,
+                    parent.as_ref(),
+                    tokens,
+                    TOKENS_PER_BLOCK,
+                    LAYOUT,
+                    payload,
+                ),
+                3,
+                64,
+            );
+            parent = BlockKey::from_slice(&block.header.as_ref().unwrap().key);
+            block
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_hybrid_hit_reads_only_its_last_blocks_snapshot_from_files_and_from_ram() {
+    let dir = tempfile::tempdir().unwrap();
+    let blocks = hybrid_chain(5);
+    let keys: Vec<BlockKey> = blocks
+        .iter()
+        .map(|b| BlockKey::from_slice(&key(b)).unwrap())
+        .collect();
+    let kv = |b: &Block| b.payload.len() - 3 * 64 * 4;
+    let check = |got: &[Block], n: usize| {
+        assert_eq!(got.len(), n);
+        for (i, (g, b)) in got.iter().zip(&blocks).enumerate() {
+            assert_eq!(g.header, b.header);
+            if i + 1 == n {
+                assert_eq!(
+                    g.payload, b.payload,
+                    "the last block whole, snapshot included"
+                );
+            } else {
+                assert_eq!(
+                    g.payload,
+                    b.payload.slice(..kv(b)),
+                    "block {i}: its K/V only"
+                );
+            }
+        }
+    };
+    {
+        let svc = Service::start(dir.path());
+        assert_eq!(store(&mut svc.client(), blocks.clone()).await, 5);
+        svc.stop();
+    }
+    // From the disk tier: the client reads the K/V part of each file, the last one whole.
+    let svc = Service::start(dir.path());
+    let mut client = CacheClient::connect(&svc.socket, Duration::from_secs(2));
+    let got = client
+        .fetch_prefix(NS, &keys, Duration::from_secs(10), Snapshots::LastOnly)
+        .await
+        .unwrap();
+    check(&got, 5);
+    let every = client
+        .fetch_prefix(NS, &keys, Duration::from_secs(10), Snapshots::Every)
+        .await
+        .unwrap();
+    assert!(
+        every
+            .iter()
+            .zip(&blocks)
+            .all(|(g, b)| g.payload == b.payload)
+    );
+    // The last block's file damaged in its snapshot: the prefix ends before it, and the block
+    // that ends it now is read again, whole, so that its snapshot is there to resume from.
+    let hex = keys[4].hex();
+    let path = dir
+        .path()
+        .join("store/blocks")
+        .join(&hex[..2])
+        .join(format!("{hex}.blk"));
+    let mut bytes = std::fs::read(&path).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x40;
+    std::fs::write(&path, bytes).unwrap();
+    let got = client
+        .fetch_prefix(NS, &keys, Duration::from_secs(10), Snapshots::LastOnly)
+        .await
+        .unwrap();
+    check(&got, 4);
+    svc.stop();
+
+    // From the service's RAM (no disk writes left today): the service sends the K/V parts.
+    let dir = tempfile::tempdir().unwrap();
+    let svc = Service::start_with(dir.path(), &["--disk-write-budget", "1KiB"]);
+    assert_eq!(store(&mut svc.client(), blocks.clone()).await, 5);
+    let mut client = CacheClient::connect(&svc.socket, Duration::from_secs(2));
+    let got = client
+        .fetch_prefix(NS, &keys, Duration::from_secs(10), Snapshots::LastOnly)
+        .await
+        .unwrap();
+    check(&got, 5);
+    let got = client
+        .fetch_prefix(NS, &keys[..2], Duration::from_secs(10), Snapshots::LastOnly)
+        .await
+        .unwrap();
+    check(&got, 2);
     svc.stop();
 }
 

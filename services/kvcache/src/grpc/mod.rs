@@ -15,7 +15,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
-use crate::block::{BlockKey, Continuation};
+use crate::block::{self, BlockKey, Continuation};
 use crate::store::Store;
 
 /// Bounds on one request, so that a bad client cannot make the service allocate without limit.
@@ -162,6 +162,8 @@ impl KvCacheService {
         let budget = self.transient.clone();
         let namespace: std::sync::Arc<str> = req.namespace.into();
         let file_reads = req.file_reads;
+        let last_key = keys.last().copied();
+        let snapshot_of_last_only = req.snapshot_of_last_only;
         tokio::spawn(
             async move {
                 // Up to FETCH_AHEAD blocks are read at once (disk reads run in parallel and overlap
@@ -200,6 +202,11 @@ impl KvCacheService {
                                 store.fetch(&namespace, &key)
                             };
                             let item = match found {
+                                // The caller resumes from the last block's snapshot only:
+                                // the others' are not sent.
+                                Ok(Some(b)) if snapshot_of_last_only && Some(key) != last_key => {
+                                    Ok(block::without_snapshots(&b))
+                                }
                                 Ok(Some(b)) => Ok((*b).clone()),
                                 Ok(None) => {
                                     Err(Status::not_found(format!("block {} not held", key.hex())))

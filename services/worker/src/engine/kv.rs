@@ -1012,12 +1012,19 @@ impl KvCache {
             return Ok(());
         }
         let mut kv_parts = Vec::with_capacity(parts.len());
-        for &(bytes, tokens) in parts {
+        for (i, &(bytes, tokens)) in parts.iter().enumerate() {
             // A part may hold more rows than are used: its leading `tokens` rows are imported
             // (token-granular reuse takes the start of a block whose later tokens differ).
-            // Not in a hybrid model: its recurrent state is known at the block's end only.
+            // Not in a hybrid model: its recurrent state is known at the block's end only,
+            // and only the last part's is restored, so the others may come without theirs.
             let per_token = l.bytes_per_token();
-            let rows = l.block_rows(bytes);
+            let kv_only =
+                l.recurrent.is_some() && i + 1 < parts.len() && bytes.len() == tokens * per_token;
+            let rows = if kv_only {
+                Some((tokens, bytes))
+            } else {
+                l.block_rows(bytes)
+            };
             let fits = match rows {
                 Some((rows, _)) if l.recurrent.is_some() => rows == tokens,
                 Some((rows, _)) => rows >= tokens,
@@ -1524,6 +1531,25 @@ mod tests {
         assert_eq!(
             (conv.to_vec(), rec.to_vec()),
             (state(120.0)[..3].to_vec(), state(120.0)[3..].to_vec())
+        );
+        // Blocks before the last may come with their K/V alone (a fetch reads only the
+        // snapshot it resumes from); the same rows and states result. The last may not.
+        let kv_of_whole = &whole[..4 * layout.bytes_per_token()];
+        let mut from_parts = KvCache::new(layout, 16);
+        from_parts
+            .import_all(&[(kv_of_whole, 4), (&tail, 2)], 1)
+            .unwrap();
+        assert_eq!(
+            from_parts.export(0, 6).unwrap(),
+            resumed.export(0, 6).unwrap()
+        );
+        assert!(
+            KvCache::new(layout, 16)
+                .import_all(
+                    &[(&whole, 4), (&tail[..2 * layout.bytes_per_token()], 2)],
+                    1
+                )
+                .is_err()
         );
         // The live states end the block that ends where the sequence is.
         let mut at_end = KvCache::new(layout, 16);

@@ -93,6 +93,8 @@ pub struct PrefixStats {
     pub store_failures: AtomicU64,
     /// Service hits not fetched because recomputing them was estimated to be faster.
     pub fetches_skipped_by_cost: AtomicU64,
+    /// Hybrid models: snapshot bytes a hit did not read (see `Snapshots::LastOnly`).
+    pub snapshot_bytes_skipped: AtomicU64,
 }
 
 /// Cached tokens of one prompt by tier.
@@ -284,6 +286,7 @@ impl PrefixCache {
             blocks_store_dropped: get(&s.blocks_store_dropped),
             store_failures: get(&s.store_failures),
             fetches_skipped_by_cost: get(&s.fetches_skipped_by_cost),
+            snapshot_bytes_skipped: get(&s.snapshot_bytes_skipped),
             fetch_bytes_per_sec: cost.fetch_bytes_per_sec.unwrap_or(0.0),
             prefill_tokens_per_sec: cost.prefill_tokens_per_sec.unwrap_or(0.0),
             ..self.parking_stats()
@@ -407,16 +410,19 @@ impl PrefixCache {
             .await;
         let notice = remote.notice.clone();
         let mut l0 = lock(&self.l0);
-        for (i, (bytes, tier)) in remote.blocks.into_iter().enumerate() {
+        for (i, (bytes, tier, with_snapshots)) in remote.blocks.into_iter().enumerate() {
             let at = in_l0 + i;
             tiers.add(tier, b);
-            let parent = self.parent_of(&keys, at);
-            l0.insert(
-                parent,
-                prompt[at * b..(at + 1) * b].to_vec(),
-                keys[at],
-                bytes.clone(),
-            );
+            // L0 keeps whole blocks only: any of its blocks may end a later hit.
+            if with_snapshots {
+                let parent = self.parent_of(&keys, at);
+                l0.insert(
+                    parent,
+                    prompt[at * b..(at + 1) * b].to_vec(),
+                    keys[at],
+                    bytes.clone(),
+                );
+            }
             cached.push((bytes, b));
             origins.push(Some(tier));
         }

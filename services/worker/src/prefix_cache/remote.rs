@@ -6,8 +6,8 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use prost::bytes::Bytes;
-use strata_kvblock::block::{BlockKey, root_of};
-use strata_kvblock::client::CacheClient;
+use strata_kvblock::block::{BlockKey, carries_snapshots, root_of, snapshot_bytes};
+use strata_kvblock::client::{CacheClient, Snapshots};
 use strata_proto::kvcache::{Block, Tier};
 use tokio::sync::mpsc;
 use tracing::Instrument;
@@ -127,8 +127,15 @@ impl PrefixCache {
             bytes,
             tier = tier_label(&tiers),
         );
+        // A hybrid model resumes its recurrent layers from the last block's snapshot: the
+        // blocks before it come without theirs.
+        let snapshots = if self.recurrent.is_some() {
+            Snapshots::LastOnly
+        } else {
+            Snapshots::Every
+        };
         let blocks = match client
-            .fetch_prefix(&self.namespace, &wanted, deadline)
+            .fetch_prefix(&self.namespace, &wanted, deadline, snapshots)
             .instrument(fetch_span)
             .await
         {
@@ -157,7 +164,13 @@ impl PrefixCache {
         let parent = self.parent_of(keys, held);
         for (i, (block, tier)) in blocks.into_iter().zip(tiers).enumerate() {
             if i < whole {
-                out.blocks.push((block.payload, tier));
+                let with_snapshots = carries_snapshots(&block);
+                if let Some(h) = block.header.as_ref().filter(|_| !with_snapshots) {
+                    self.stats
+                        .snapshot_bytes_skipped
+                        .fetch_add(snapshot_bytes(h), Ordering::Relaxed);
+                }
+                out.blocks.push((block.payload, tier, with_snapshots));
                 continue;
             }
             let Some((key, _)) = next else { break };
@@ -180,6 +193,34 @@ impl PrefixCache {
                 _ => tracing::warn!(
                     "the cache service's continuing block does not continue this prompt; computing from there"
                 ),
+            }
+        }
+        // The continuing block was not used, so the last whole block is where the recurrent
+        // layers resume: it was read without its snapshot, so it is read again, whole.
+        if out.next.is_none()
+            && let Some(at) = out.blocks.len().checked_sub(1)
+            && !out.blocks[at].2
+        {
+            let key = keys[have + at];
+            match client
+                .fetch_prefix(&self.namespace, &[key], deadline, Snapshots::Every)
+                .await
+            {
+                Ok(mut again) if again.len() == 1 => {
+                    let block = again.remove(0);
+                    out.blocks[at] = (block.payload, out.blocks[at].1, true);
+                }
+                outcome => {
+                    let why = match outcome {
+                        Err(e) => e.to_string(),
+                        Ok(_) => "it is no longer held".to_string(),
+                    };
+                    tracing::warn!(%why, "the last cached block's snapshot could not be read; computing the prompt");
+                    out.notice = Some(format!(
+                        "the recurrent state at the end of the cached prefix could not be read ({why}): the prompt was computed"
+                    ));
+                    out.blocks.clear();
+                }
             }
         }
         out
@@ -208,7 +249,9 @@ pub(super) fn tier_name(tier: Option<i32>) -> &'static str {
 /// What the cache service had for a prompt beyond L0.
 #[derive(Default)]
 pub(super) struct Remote {
-    pub blocks: Vec<(Bytes, Tier)>,
+    /// Whole blocks: payload, tier, and whether the payload carries its recurrent snapshots
+    /// (a hybrid model's blocks before the last come with their K/V part only).
+    pub blocks: Vec<(Bytes, Tier, bool)>,
     pub next: Option<Next>,
     /// Why the service's blocks were not used, if it failed or the fetch was skipped.
     pub notice: Option<String>,
