@@ -76,13 +76,23 @@ class Cluster:
         self.tmp, self.proc = tmp, None
 
     def start(self):
+        """Starts the cluster and returns once a first request was answered (on a GPU that
+        is after the worker's kernel warm-up, which requests queue behind): seconds taken,
+        and what /admin says the warm-up did."""
+        started = time.perf_counter()
         self.proc = subprocess.Popen(self.cmd, stdout=open(self.tmp / "strata.log", "ab"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
-        for _ in range(600):
+        for _ in range(1200):
             try:
                 self.complete([100, 101])
                 self.token = (self.tmp / "run" / "admin-token").read_text().strip()
-                return
+                took = time.perf_counter() - started
+                workers = call(self.base, "/admin/api/workers", token=self.token)["workers"]
+                warmup = [w.get("stats", {}).get("features", {}).get("kernel_warmup")
+                          for w in workers]
+                print(f"ready after {took:.1f} s; warm-up: {warmup}", file=sys.stderr,
+                      flush=True)
+                return {"ready_s": took, "kernel_warmup": warmup}
             except OSError:
                 time.sleep(0.5)
         raise RuntimeError("strata did not start")
@@ -147,7 +157,7 @@ def main():
     (model / "config.json").unlink()
     (model / "config.json").write_text(json.dumps(config, indent=1))
     c = Cluster(args, model, tmp)
-    c.start()
+    starts = [c.start()]
     if args.warmup:
         rng = random.Random(1)
         c.complete([rng.randrange(100, args.ids_max) for _ in range(args.warmup)])
@@ -176,7 +186,7 @@ def main():
             pathlib.Path(args.out).write_text(json.dumps({"rows": rows}, indent=1))
             print(f"{n}: {row}", file=sys.stderr, flush=True)
         c.stop()
-        c.start()
+        starts.append(c.start())
         for row, n in zip(rows, lengths):
             if "refused" in row:
                 continue
@@ -189,11 +199,16 @@ def main():
                 _, row["decode_tok_s"], _, row["decode_tokens"] = stream_complete(
                     c.base, prompts[n] + [prompts[n][0]], args.decode + 1)
             print(f"{n} after restart: {row}", file=sys.stderr, flush=True)
-            pathlib.Path(args.out).write_text(json.dumps({"rows": rows}, indent=1))
+            pathlib.Path(args.out).write_text(json.dumps({"rows": rows, "starts": starts},
+                                                         indent=1))
         rows_du = du(tmp / "kv")
+        workers = call(c.base, "/admin/api/workers", token=c.token)["workers"]
+        prefix = [(w.get("stats") or {}).get("prefix_cache") for w in workers]
+        print(f"worker prefix cache after the restart: {prefix}", file=sys.stderr, flush=True)
     finally:
         c.stop()
-    result = {"rows": rows, "kv_dir_bytes_on_disk": rows_du}
+    result = {"rows": rows, "starts": starts, "kv_dir_bytes_on_disk": rows_du,
+              "prefix_cache_after_restart": prefix}
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
     print("| prompt tokens | cold | disk bytes added | blocks | bytes per 1K tokens | "
           "after restart | cached tokens |")

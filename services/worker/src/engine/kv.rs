@@ -20,7 +20,7 @@ use mlx_rs::ops::indexing::{TryIndexMutOp, TryIndexOp};
 use mlx_rs::ops::{concatenate, zeros_dtype};
 use mlx_rs::{Array, Dtype};
 
-use super::kv_payload::{EvaluatedRows, KvPayload};
+use super::kv_payload::{EvaluatedRows, KvPayload, TailPart};
 use super::policy::dtype_bytes;
 use super::{EngineError, Result};
 
@@ -752,8 +752,20 @@ impl KvCache {
             }
             rows.push(Some(concatenate(&parts, 1)?.view::<u8>()?));
         }
-        let evaluated: Vec<&Array> = rows.iter().flatten().collect();
+        // Each block's recurrent states (hybrid models) as byte views, evaluated with the
+        // K/V and read back with them by whoever takes the block.
+        let mut tails = Vec::with_capacity(ranges.len());
+        for (&(start, len, count), row) in runs.iter().zip(&rows) {
+            if row.is_some() {
+                for i in 0..count {
+                    tails.push(self.snapshot_views(start + (i + 1) * len)?);
+                }
+            }
+        }
+        let mut evaluated: Vec<&Array> = rows.iter().flatten().collect();
+        evaluated.extend(tails.iter().flatten().filter_map(|v| v.as_ref().err()));
         mlx_rs::transforms::eval(evaluated)?;
+        let mut tails = tails.into_iter();
         let mut out = Vec::with_capacity(ranges.len());
         for (&(start, len, count), row) in runs.iter().zip(rows) {
             let per = len * self.layout.bytes_per_token();
@@ -771,8 +783,15 @@ impl KvCache {
                 )));
             }
             for i in 0..count {
-                let mut tail = Vec::new();
-                self.append_snapshot(start + (i + 1) * len, &mut tail)?;
+                let tail = tails
+                    .next()
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|v| match v {
+                        Ok(bytes) => TailPart::Host(bytes),
+                        Err(view) => TailPart::Device(EvaluatedRows::new(view)),
+                    })
+                    .collect();
                 out.push(KvPayload::on_device(
                     shared.clone(),
                     i * per..(i + 1) * per,
@@ -800,24 +819,45 @@ impl KvCache {
         Ok(out)
     }
 
-    /// Appends (hybrid models) the recurrent states at token `end` to a block's payload.
-    fn append_snapshot(&self, end: usize, out: &mut Vec<u8>) -> Result<()> {
-        if self.layout.recurrent.is_none() {
-            return Ok(());
-        }
-        // A block that ends where the sequence is takes the live states.
+    /// The recurrent states at token `end`: a snapshot, or the live states for a block that
+    /// ends where the sequence is.
+    fn snapshot_at(&self, end: usize) -> Result<&[StateFloats]> {
         let live = (end == self.len).then_some(&self.recurrent);
-        let snapshot = self
-            .snapshots
+        self.snapshots
             .get(&end)
             .filter(|_| self.has_snapshot(end))
             .or(live)
+            .map(Vec::as_slice)
             .ok_or_else(|| {
                 EngineError::Config(format!(
                     "no snapshot of the recurrent layers at token {end}: a block cannot end \
                      there"
                 ))
-            })?;
+            })
+    }
+
+    /// (Hybrid models) each recurrent layer's state at token `end` in a block payload's
+    /// layout: host bytes (f32 LE), or a lazy `u8` view of a device state (f32, whose bytes
+    /// are LE on every host MLX runs on) for the caller to evaluate.
+    fn snapshot_views(&self, end: usize) -> Result<Vec<std::result::Result<Vec<u8>, Array>>> {
+        if self.layout.recurrent.is_none() {
+            return Ok(Vec::new());
+        }
+        self.snapshot_at(end)?
+            .iter()
+            .map(|layer| match layer {
+                StateFloats::Host(v) => Ok(Ok(v.iter().flat_map(|x| x.to_le_bytes()).collect())),
+                StateFloats::Device(a) => Ok(Err(a.as_dtype(Dtype::Float32)?.view::<u8>()?)),
+            })
+            .collect()
+    }
+
+    /// Appends (hybrid models) the recurrent states at token `end` to a block's payload.
+    fn append_snapshot(&self, end: usize, out: &mut Vec<u8>) -> Result<()> {
+        if self.layout.recurrent.is_none() {
+            return Ok(());
+        }
+        let snapshot = self.snapshot_at(end)?;
         // Device states are computed together first: one synchronisation, not one a layer.
         let on_device: Vec<&Array> = snapshot
             .iter()
@@ -1518,6 +1558,33 @@ mod tests {
             cache
                 .export_ranges_with(std::slice::from_ref(&(0..5)), true)
                 .is_err()
+        );
+        // States kept on the device (the recurrence on a GPU) stay there in the gathered
+        // blocks and read back as the host's states do.
+        let mut on_device = KvCache::new(layout, 16);
+        on_device.set_snapshots(4, vec![6]);
+        on_device.append(0, &rows, &negated).unwrap();
+        for (position, seed) in [(4, 10.0), (6, 20.0)] {
+            for layer in 0..2 {
+                let floats = state(seed + layer as f32 * 100.0);
+                on_device.put_snapshot_array(position, layer, Array::from_slice(&floats, &[8]));
+            }
+        }
+        for layer in 0..2 {
+            let mut live = vec![7.0 + layer as f32; 3];
+            live.extend([-7.0; 5]);
+            on_device
+                .set_recurrent_array(layer, Array::from_slice(&live, &[8]))
+                .unwrap();
+        }
+        on_device.advance(7);
+        let gathered = on_device
+            .export_ranges_with(&[0..4, 4..6, 4..7], true)
+            .unwrap();
+        assert!(format!("{:?}", gathered[0]).contains("2 parts"));
+        assert_eq!(
+            host(gathered),
+            vec![whole.clone(), tail.clone(), live.clone()]
         );
 
         let mut resumed = KvCache::new(layout, 16);
