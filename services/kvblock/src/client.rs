@@ -16,8 +16,12 @@ use crate::block::{self, BlockKey};
 /// Largest message (one block) the service accepts or sends, and so the client too.
 pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
 
-/// Files read at once by one fetch.
-const PARALLEL_FILE_READS: usize = 4;
+/// Files read at once by one fetch: one per core, 4 to 8. Each read copies a block from the
+/// page cache into fresh memory and checksums it, which a core does at 3-4 GB/s: 4 at once
+/// read 3.0 GB/s on the 16 cores of the lent H100 machine.
+fn parallel_file_reads() -> usize {
+    std::thread::available_parallelism().map_or(4, |n| n.get().clamp(4, 8))
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -118,9 +122,10 @@ impl CacheClient {
         let mut out = Vec::with_capacity(keys.len());
         let mut index = 0;
         let mut ended = false;
+        let parallel = parallel_file_reads();
         loop {
-            // Keep up to PARALLEL_FILE_READS reads going while more messages arrive.
-            while !ended && pending.len() < PARALLEL_FILE_READS {
+            // Keep up to `parallel` reads going while more messages arrive.
+            while !ended && pending.len() < parallel {
                 let message = match stream.message().await {
                     Ok(Some(m)) => m,
                     Ok(None) => {
