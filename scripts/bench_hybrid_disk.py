@@ -75,13 +75,14 @@ class Cluster:
             self.cmd += ["--model", str(model), "--model-id", "m"]
         self.tmp, self.proc = tmp, None
 
-    def start(self):
+    def start(self, env=None):
         """Starts the cluster and returns once a first request was answered (on a GPU that
         is after the worker's kernel warm-up, which requests queue behind): seconds taken,
         and what /admin says the warm-up did."""
         started = time.perf_counter()
         self.proc = subprocess.Popen(self.cmd, stdout=open(self.tmp / "strata.log", "ab"),
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, **(env or {})})
         for _ in range(1200):
             try:
                 self.complete([100, 101])
@@ -138,6 +139,9 @@ def main():
     ap.add_argument("--kv-ram", default="1GiB")
     ap.add_argument("--memory-budget")
     ap.add_argument("--tmp", help="keep the cluster's folder (log, cache) here")
+    ap.add_argument("--restart-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="restart once more with this environment and time the hits again "
+                         "(repeatable: one more restart each)")
     ap.add_argument("--warmup", type=int, default=0,
                     help="a prompt of this many tokens first (a GPU compiles its kernels)")
     args = ap.parse_args()
@@ -185,22 +189,27 @@ def main():
             rows.append(row)
             pathlib.Path(args.out).write_text(json.dumps({"rows": rows}, indent=1))
             print(f"{n}: {row}", file=sys.stderr, flush=True)
-        c.stop()
-        starts.append(c.start())
-        for row, n in zip(rows, lengths):
-            if "refused" in row:
-                continue
-            t, usage = c.complete(prompts[n])
-            row["after_restart_s"] = t
-            row["after_restart_cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get(
-                "cached_tokens")
-            if args.decode:
-                # Streamed: the rate counts the tokens after the first.
-                _, row["decode_tok_s"], _, row["decode_tokens"] = stream_complete(
-                    c.base, prompts[n] + [prompts[n][0]], args.decode + 1)
-            print(f"{n} after restart: {row}", file=sys.stderr, flush=True)
-            pathlib.Path(args.out).write_text(json.dumps({"rows": rows, "starts": starts},
-                                                         indent=1))
+        variants = [None] + [dict([kv.split("=", 1)]) for kv in args.restart_env]
+        for variant in variants:
+            c.stop()
+            starts.append(c.start(variant))
+            # The first restart fills the rows; each variant's gets its own keys.
+            suffix = "" if variant is None else "_" + "_".join(f"{k}={v}"
+                                                               for k, v in variant.items())
+            for row, n in zip(rows, lengths):
+                if "refused" in row:
+                    continue
+                t, usage = c.complete(prompts[n])
+                row["after_restart_s" + suffix] = t
+                row["after_restart_cached_tokens" + suffix] = (
+                    usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                if args.decode and variant is None:
+                    # Streamed: the rate counts the tokens after the first.
+                    _, row["decode_tok_s"], _, row["decode_tokens"] = stream_complete(
+                        c.base, prompts[n] + [prompts[n][0]], args.decode + 1)
+                print(f"{n} after restart{suffix}: {row}", file=sys.stderr, flush=True)
+                pathlib.Path(args.out).write_text(json.dumps({"rows": rows, "starts": starts},
+                                                             indent=1))
         rows_du = du(tmp / "kv")
         workers = call(c.base, "/admin/api/workers", token=c.token)["workers"]
         prefix = [(w.get("stats") or {}).get("prefix_cache") for w in workers]
