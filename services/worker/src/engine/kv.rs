@@ -1099,14 +1099,6 @@ impl KvCache {
         // not grow (copy) buffers that hold the whole prefix: a warm prompt's tail that
         // crossed a step boundary copied a 4K-token prefix's 189 MB again in its second pass.
         let capacity = (total + room.max(1)).div_ceil(self.step_tokens) * self.step_tokens;
-        if crate::device_copy::uses_driver() && !host_import_forced() {
-            self.layers = import_layers_on_device(l, parts, total, capacity)?
-                .into_iter()
-                .map(Some)
-                .collect();
-            self.len = total;
-            return Ok(());
-        }
         // Layers are independent: each core stages and builds a share of them. The copy is
         // bound by memory bandwidth, but page faults of fresh buffers parallelise: for a
         // 4K-token prefix (~190 MB of f32 KV) on 2 cores, 43 -> 38 ms warm and 111 -> 74 ms for
@@ -1326,106 +1318,6 @@ fn import_layers(
     Ok(out)
 }
 
-/// `STRATA_KV_IMPORT=host` keeps a CUDA worker on the host import (to compare the two).
-fn host_import_forced() -> bool {
-    static FORCED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *FORCED.get_or_init(|| std::env::var("STRATA_KV_IMPORT").is_ok_and(|v| v == "host"))
-}
-
-/// One layer's K (or V) rows from each part, with the number of its leading rows to take.
-type PartRows = Vec<(Array, usize)>;
-
-/// `import_layers` for a CUDA device: each part's K (or V) rows of a layer are already one
-/// contiguous `[heads, rows, dim]` run, so each becomes an array with one host copy, moves to
-/// the device in one prefetch, and the device joins them into the layer's buffer. The host
-/// path's staging buffer would copy every byte once more on the host (its import took 280 ms
-/// of a 0.87 s hit on 64K tokens of Qwen3.6-35B-A3B's shape, 1.4 GB of K/V, on an H100).
-fn import_layers_on_device(
-    l: KvLayout,
-    parts: &[(&[u8], usize)],
-    total: usize,
-    capacity: usize,
-) -> Result<Vec<LayerKv>> {
-    let row = l.head_dim * dtype_bytes(l.dtype);
-    let (heads, dim) = (l.kv_heads as i32, l.head_dim as i32);
-    // (layer, K/V) -> the parts' arrays, each with the rows to take. The host copies run on
-    // every core, a share of the layers each: one thread copied 1.4 GB into fresh memory in
-    // 850 ms, slower than two copies on ten.
-    let arrays_of = |layers: std::ops::Range<usize>| -> Result<Vec<PartRows>> {
-        let mut out = Vec::with_capacity(2 * layers.len());
-        for layer in layers {
-            for kv in 0..2 {
-                let mut list = Vec::with_capacity(parts.len());
-                for &(bytes, tokens) in parts {
-                    // Rows the part holds (checked by `import_all`: a whole number, >= tokens).
-                    let held = bytes.len() / (2 * l.num_layers * l.kv_heads * row);
-                    let per_buf = held * l.kv_heads * row;
-                    let src = &bytes[(2 * layer + kv) * per_buf..(2 * layer + kv + 1) * per_buf];
-                    let shape = [1, heads, held as i32, dim];
-                    list.push((array_from_bytes(src, &shape, l.dtype)?, tokens));
-                }
-                out.push(list);
-            }
-        }
-        Ok(out)
-    };
-    let threads = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1)
-        .min(l.num_layers);
-    let per_thread = l.num_layers.div_ceil(threads);
-    let shares: Vec<Result<Vec<PartRows>>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..l.num_layers)
-            .step_by(per_thread)
-            .map(|first| {
-                scope.spawn(move || arrays_of(first..(first + per_thread).min(l.num_layers)))
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(EngineError::Mlx("KV import thread panicked".into())))
-            })
-            .collect()
-    });
-    let mut pieces = Vec::with_capacity(2 * l.num_layers);
-    for share in shares {
-        pieces.extend(share?);
-    }
-    let mut spans = Vec::new();
-    for (a, _) in pieces.iter().flatten() {
-        spans.push(array_bytes(a)?);
-    }
-    crate::device_copy::prefetch_to_device(&spans);
-    drop(spans);
-    let padding = zeros_dtype(&[1, heads, (capacity - total) as i32, dim], l.dtype)?;
-    let mut joined = Vec::with_capacity(pieces.len());
-    for list in &pieces {
-        let mut rows = Vec::with_capacity(list.len() + 1);
-        for (a, tokens) in list {
-            rows.push(if a.dim(2) as usize > *tokens {
-                a.try_index((.., .., ..*tokens as i32, ..))?
-            } else {
-                a.clone()
-            });
-        }
-        rows.push(padding.clone());
-        joined.push(concatenate(&rows, 2)?);
-    }
-    mlx_rs::transforms::eval(&joined)?;
-    let mut joined = joined.into_iter();
-    let mut out = Vec::with_capacity(l.num_layers);
-    while let (Some(keys), Some(values)) = (joined.next(), joined.next()) {
-        out.push(LayerKv {
-            keys,
-            values,
-            first: 0,
-        });
-    }
-    Ok(out)
-}
-
 /// An MLX array (a copy) of `bytes` read as `dtype` elements of `shape`.
 fn array_from_bytes(bytes: &[u8], shape: &[i32; 4], dtype: Dtype) -> Result<Array> {
     let elements: usize = shape.iter().map(|&d| d as usize).product();
@@ -1470,37 +1362,6 @@ mod tests {
             dtype,
             window: None,
             recurrent: None,
-        }
-    }
-
-    /// The device import (CUDA) builds the same buffers as the host one, for parts of several
-    /// sizes, one of which gives only its leading rows; here on the CPU, where only its
-    /// prefetch is skipped.
-    #[test]
-    fn the_device_import_builds_the_buffers_the_host_import_does() {
-        for dtype in [Dtype::Float32, Dtype::Bfloat16] {
-            let l = small_layout(dtype);
-            let bytes_of = |rows: usize, seed: usize| -> Vec<u8> {
-                (0..rows * l.bytes_per_token())
-                    .map(|i| ((i * 7 + seed * 13) % 61) as u8)
-                    .collect()
-            };
-            let blocks = [bytes_of(4, 1), bytes_of(4, 2), bytes_of(3, 3)];
-            let parts: Vec<(&[u8], usize)> =
-                vec![(&blocks[0], 4), (&blocks[1], 4), (&blocks[2], 2)];
-            let host = import_layers(l, &parts, 16, 0..l.num_layers).unwrap();
-            let device = import_layers_on_device(l, &parts, 10, 16).unwrap();
-            assert_eq!(host.len(), device.len());
-            for (h, d) in host.iter().zip(&device) {
-                for (a, b) in [(&h.keys, &d.keys), (&h.values, &d.values)] {
-                    assert_eq!(a.shape(), b.shape());
-                    let (a, b) = (
-                        a.try_index((.., .., ..10, ..)).unwrap(),
-                        b.try_index((.., .., ..10, ..)).unwrap(),
-                    );
-                    assert!(a.eq_values(&b).unwrap(), "{dtype:?}");
-                }
-            }
         }
     }
 
