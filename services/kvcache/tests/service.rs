@@ -646,6 +646,21 @@ async fn namespace_quotas_evict_within_their_namespace_and_stats_are_per_namespa
     svc.stop();
 }
 
+/// Flips a bit in the last byte of block `key`'s file in the store under `dir`; returns its
+/// path.
+fn damage_last_byte(dir: &Path, key: &BlockKey) -> PathBuf {
+    let hex = key.hex();
+    let path = dir
+        .join("store/blocks")
+        .join(&hex[..2])
+        .join(format!("{hex}.blk"));
+    let mut bytes = std::fs::read(&path).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x40;
+    std::fs::write(&path, bytes).unwrap();
+    path
+}
+
 #[tokio::test]
 async fn the_worker_client_reads_disk_blocks_from_their_files_and_verifies_them() {
     let dir = tempfile::tempdir().unwrap();
@@ -686,16 +701,7 @@ async fn the_worker_client_reads_disk_blocks_from_their_files_and_verifies_them(
     );
 
     // A block file altered on disk ends the prefix there: nothing wrong is ever returned.
-    let hex = keys[3].hex();
-    let path = dir
-        .path()
-        .join("store/blocks")
-        .join(&hex[..2])
-        .join(format!("{hex}.blk"));
-    let mut bytes = std::fs::read(&path).unwrap();
-    let last = bytes.len() - 1;
-    bytes[last] ^= 0x40;
-    std::fs::write(&path, bytes).unwrap();
+    let path = damage_last_byte(dir.path(), &keys[3]);
     let got = client
         .fetch_prefix(NS, &keys, Duration::from_secs(10), Snapshots::Every)
         .await
@@ -738,30 +744,38 @@ async fn the_worker_client_reads_disk_blocks_from_their_files_and_verifies_them(
     svc.stop();
 }
 
-/// A hybrid model's chain: each block's K/V, then 3 recurrent layers' snapshots of 64 floats.
+/// The blocks of `keys` the client fetches (`fetch_prefix`), with `snapshots`.
+async fn fetch_with(
+    client: &mut CacheClient,
+    keys: &[BlockKey],
+    snapshots: Snapshots,
+) -> Vec<Block> {
+    client
+        .fetch_prefix(NS, keys, Duration::from_secs(10), snapshots)
+        .await
+        .unwrap()
+}
+
+/// `chain(n)` as a hybrid model's: each block's K/V, then 3 recurrent layers' snapshots of 64
+/// floats.
 fn hybrid_chain(n: usize) -> Vec<Block> {
-    let mut parent: Option<BlockKey> = None;
-    (0..n)
-        .map(|i| {
-            let tokens: Vec<u32> = (0..TOKENS_PER_BLOCK).map(|t| i as u32 * 1000 + t).collect();
-            let bytes = 2 * LAYOUT.0 * LAYOUT.1 * LAYOUT.2 * 4 * TOKENS_PER_BLOCK + 3 * 64 * 4;
-            let payload: Vec<u8> = (0..bytes)
-                .map(|b| (b as usize * 13 + i * 5) as u8)
-                .collect();
-            let block = with_recurrent_state(
-                make_block_of(
-                    NS,
-                    parent.as_ref(),
-                    tokens,
-                    TOKENS_PER_BLOCK,
-                    LAYOUT,
-                    payload,
-                ),
-                3,
-                64,
+    chain(n)
+        .into_iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let h = b.header.unwrap();
+            let parent = BlockKey::from_slice(&h.parent);
+            let mut payload = b.payload.to_vec();
+            payload.extend((0..3 * 64 * 4).map(|x| (x * 5 + i) as u8));
+            let block = make_block_of(
+                NS,
+                parent.as_ref(),
+                h.token_ids,
+                TOKENS_PER_BLOCK,
+                LAYOUT,
+                payload,
             );
-            parent = BlockKey::from_slice(&block.header.as_ref().unwrap().key);
-            block
+            with_recurrent_state(block, 3, 64)
         })
         .collect()
 }
@@ -801,15 +815,9 @@ async fn a_hybrid_hit_reads_only_its_last_blocks_snapshot_from_files_and_from_ra
     // From the disk tier: the client reads the K/V part of each file, the last one whole.
     let svc = Service::start(dir.path());
     let mut client = CacheClient::connect(&svc.socket, Duration::from_secs(2));
-    let got = client
-        .fetch_prefix(NS, &keys, Duration::from_secs(10), Snapshots::LastOnly)
-        .await
-        .unwrap();
+    let got = fetch_with(&mut client, &keys, Snapshots::LastOnly).await;
     check(&got, 5);
-    let every = client
-        .fetch_prefix(NS, &keys, Duration::from_secs(10), Snapshots::Every)
-        .await
-        .unwrap();
+    let every = fetch_with(&mut client, &keys, Snapshots::Every).await;
     assert!(
         every
             .iter()
@@ -818,20 +826,8 @@ async fn a_hybrid_hit_reads_only_its_last_blocks_snapshot_from_files_and_from_ra
     );
     // The last block's file damaged in its snapshot: the prefix ends before it, and the block
     // that ends it now is read again, whole, so that its snapshot is there to resume from.
-    let hex = keys[4].hex();
-    let path = dir
-        .path()
-        .join("store/blocks")
-        .join(&hex[..2])
-        .join(format!("{hex}.blk"));
-    let mut bytes = std::fs::read(&path).unwrap();
-    let last = bytes.len() - 1;
-    bytes[last] ^= 0x40;
-    std::fs::write(&path, bytes).unwrap();
-    let got = client
-        .fetch_prefix(NS, &keys, Duration::from_secs(10), Snapshots::LastOnly)
-        .await
-        .unwrap();
+    damage_last_byte(dir.path(), &keys[4]);
+    let got = fetch_with(&mut client, &keys, Snapshots::LastOnly).await;
     check(&got, 4);
     svc.stop();
 
@@ -840,15 +836,9 @@ async fn a_hybrid_hit_reads_only_its_last_blocks_snapshot_from_files_and_from_ra
     let svc = Service::start_with(dir.path(), &["--disk-write-budget", "1KiB"]);
     assert_eq!(store(&mut svc.client(), blocks.clone()).await, 5);
     let mut client = CacheClient::connect(&svc.socket, Duration::from_secs(2));
-    let got = client
-        .fetch_prefix(NS, &keys, Duration::from_secs(10), Snapshots::LastOnly)
-        .await
-        .unwrap();
+    let got = fetch_with(&mut client, &keys, Snapshots::LastOnly).await;
     check(&got, 5);
-    let got = client
-        .fetch_prefix(NS, &keys[..2], Duration::from_secs(10), Snapshots::LastOnly)
-        .await
-        .unwrap();
+    let got = fetch_with(&mut client, &keys[..2], Snapshots::LastOnly).await;
     check(&got, 2);
     svc.stop();
 }
