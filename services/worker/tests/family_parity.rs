@@ -56,6 +56,8 @@ fn cases(family: &str) -> (String, Vec<Case>) {
     // The hybrid families have their own generator and file (scripts/make_hybrid_fixtures.py).
     let file = if family.starts_with("qwen3_5") {
         "families/hybrid_reference.json"
+    } else if family == "gpt_oss" {
+        "families/gpt_oss_reference.json"
     } else {
         "families/reference.json"
     };
@@ -416,6 +418,26 @@ fn hybrid_families_with_the_recurrence_on_the_device_match_mlx_lm() {
 #[test]
 fn qwen3_5_moe_hybrid_matches_mlx_lm() {
     check_family("qwen3_5_moe", "qwen3_5_moe");
+}
+
+/// gpt-oss: windowed layers alternating with full attention, a sink logit per query head,
+/// YaRN, q/k/v/o biases, experts with biases and a clamped SwiGLU behind a biased router.
+/// Hugging Face's unquantised layout (interleaved `gate_up_proj`) and mlx-lm's (stacked
+/// `experts.gate_proj`), the same weights, against mlx-lm on the latter
+/// (scripts/make_gpt_oss_fixtures.py).
+#[test]
+fn gpt_oss_matches_mlx_lm_in_both_layouts() {
+    check_family("gpt_oss", "gpt_oss");
+    check_family_at("gpt_oss", &family_dir("gpt_oss_mlx"), "gpt_oss");
+}
+
+/// The same on MLX's kernels (attention with sinks through `fast::scaled_dot_product_attention`
+/// as on a GPU or Metal) and with the experts' products run as a GPU runs them.
+#[test]
+fn gpt_oss_on_mlx_kernels_matches_mlx_lm() {
+    let mut m = loader::open(&family_dir("gpt_oss"), DtypePolicy::F32, BLOCK).unwrap();
+    m.model.use_mlx_kernels();
+    check_family_on("gpt_oss", &m, "gpt_oss");
 }
 
 #[test]

@@ -43,6 +43,11 @@ pub enum Architecture {
     /// Qwen3.5-MoE / Qwen3.6-35B-A3B: Qwen3.5's layers with Qwen3-Next's mixture of experts in
     /// every layer (softmax router, top-k renormalised, a shared expert behind a sigmoid gate).
     Qwen3_5Moe,
+    /// gpt-oss (OpenAI's 20B and 120B): sliding-window layers (128 tokens) alternating with
+    /// full attention, biases on q/k/v/o, a learned sink logit per query head in attention's
+    /// softmax, YaRN RoPE, and a mixture of experts in every layer: a router with a bias,
+    /// softmax over the chosen experts' logits, experts with biases and a clamped SwiGLU.
+    GptOss,
 }
 
 impl Architecture {
@@ -60,9 +65,10 @@ impl Architecture {
             "qwen2_moe" | "Qwen2MoeForCausalLM" => Ok(Self::Qwen2Moe),
             "qwen3_5" | "qwen3_5_text" | "Qwen3_5ForCausalLM" => Ok(Self::Qwen3_5),
             "qwen3_5_moe" | "qwen3_5_moe_text" | "Qwen3_5MoeForCausalLM" => Ok(Self::Qwen3_5Moe),
+            "gpt_oss" | "GptOssForCausalLM" => Ok(Self::GptOss),
             other => Err(EngineError::UnknownArchitecture(format!(
                 "{other} (supported: llama, mistral, qwen2, qwen3, phi3, smollm3, gemma3_text, \
-                 ministral3, qwen3_moe, qwen2_moe, qwen3_5, qwen3_5_moe)"
+                 ministral3, qwen3_moe, qwen2_moe, qwen3_5, qwen3_5_moe, gpt_oss)"
             ))),
         }
     }
@@ -81,6 +87,7 @@ impl Architecture {
             Self::Qwen2Moe => "qwen2_moe",
             Self::Qwen3_5 => "qwen3_5",
             Self::Qwen3_5Moe => "qwen3_5_moe",
+            Self::GptOss => "gpt_oss",
         }
     }
 
@@ -128,6 +135,18 @@ pub struct Experts {
     pub layers: Vec<usize>,
     /// A shared expert every token also takes, of this width, gated by a sigmoid (Qwen2-MoE).
     pub shared_intermediate_size: Option<usize>,
+    /// How an expert's gate and up projections combine.
+    pub activation: ExpertActivation,
+}
+
+/// An expert's gated activation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ExpertActivation {
+    /// `silu(gate) * up`.
+    SwiGlu,
+    /// gpt-oss: the gate clamped from above and up into `[-limit, limit]`, then
+    /// `(up + 1) * gate * sigmoid(1.702 * gate)`.
+    ClampedSwiGlu { limit: f32 },
 }
 
 /// Gated DeltaNet layers (Qwen3.5, Qwen3-Next): each keeps a causal depthwise convolution's
@@ -351,6 +370,9 @@ pub struct ModelConfig {
     /// Attention output multiplied by `sigmoid` of a gate that `q_proj` computes beside the
     /// queries (Qwen3.5): `q_proj` has twice the rows, per head queries then gate.
     pub attention_output_gate: bool,
+    /// One learned logit per query head joins each softmax of attention and takes its share
+    /// of the weight without a value (gpt-oss's `self_attn.sinks`).
+    pub attention_sinks: bool,
 }
 
 impl ModelConfig {
@@ -531,6 +553,11 @@ pub struct HfConfig {
     pub mlp_only_layers: Vec<usize>,
     /// Qwen2-MoE's shared expert.
     pub shared_expert_intermediate_size: Option<usize>,
+    /// gpt-oss: its experts (`num_local_experts`, each of `intermediate_size`) and the clamp of
+    /// their SwiGLU.
+    pub num_local_experts: Option<usize>,
+    pub experts_per_token: Option<usize>,
+    pub swiglu_limit: Option<f32>,
     /// Gemma: attention logits are scaled by `query_pre_attn_scalar^-0.5`.
     pub query_pre_attn_scalar: Option<f32>,
     /// Gemma 2 caps logits with tanh; Gemma 3 configs carry null. A cap is refused.
@@ -610,6 +637,7 @@ impl HfConfig {
             experts: self.experts(arch)?,
             linear_attention: self.linear_attention(arch)?,
             attention_output_gate: arch.is_hybrid(),
+            attention_sinks: arch == Architecture::GptOss,
         };
         config.validate()?;
         Ok(config)
@@ -618,11 +646,18 @@ impl HfConfig {
     /// Gemma 3's windowed layers: from `layer_types` where the file has it, otherwise every
     /// layer but each `sliding_window_pattern`-th (default 6, mlx-lm's).
     fn windowed_layers(&self, arch: Architecture) -> Option<SlidingWindow> {
-        if !matches!(arch, Architecture::Gemma3 | Architecture::Ministral3) {
+        if !matches!(
+            arch,
+            Architecture::Gemma3 | Architecture::Ministral3 | Architecture::GptOss
+        ) {
             return None;
         }
         let tokens = self.sliding_window.as_ref()?.as_u64()? as usize;
         let layers = match &self.layer_types {
+            // gpt-oss without `layer_types`: windowed, then full, and so on (mlx-lm's default).
+            None if arch == Architecture::GptOss => {
+                (0..self.num_hidden_layers).step_by(2).collect()
+            }
             Some(types) => types
                 .iter()
                 .enumerate()
@@ -653,6 +688,9 @@ impl HfConfig {
     /// `decoder_sparse_step`; every Qwen2-MoE layer routes, without renormalising, beside its
     /// shared expert (mlx-lm's rules).
     fn experts(&self, arch: Architecture) -> Result<Option<Experts>> {
+        if arch == Architecture::GptOss {
+            return self.gpt_oss_experts();
+        }
         if !matches!(
             arch,
             Architecture::Qwen3Moe | Architecture::Qwen2Moe | Architecture::Qwen3_5Moe
@@ -693,6 +731,32 @@ impl HfConfig {
                 && arch != Architecture::Qwen2Moe,
             layers,
             shared_intermediate_size: self.shared_expert_intermediate_size.filter(|_| shared),
+            activation: ExpertActivation::SwiGlu,
+        }))
+    }
+
+    /// gpt-oss's experts: every layer routes each token to `num_experts_per_tok` (or
+    /// `experts_per_token`) of `num_local_experts`, weighted by a softmax over the chosen
+    /// logits (the renormalised probabilities), no shared expert.
+    fn gpt_oss_experts(&self) -> Result<Option<Experts>> {
+        let (Some(count), Some(per_token)) = (
+            self.num_local_experts,
+            self.num_experts_per_tok.or(self.experts_per_token),
+        ) else {
+            return Err(EngineError::Config(
+                "gpt_oss needs num_local_experts and num_experts_per_tok".into(),
+            ));
+        };
+        Ok(Some(Experts {
+            count,
+            per_token,
+            intermediate_size: self.intermediate_size,
+            normalize_top_k: true,
+            layers: (0..self.num_hidden_layers).collect(),
+            shared_intermediate_size: None,
+            activation: ExpertActivation::ClampedSwiGlu {
+                limit: self.swiglu_limit.unwrap_or(7.0),
+            },
         }))
     }
 
@@ -877,7 +941,7 @@ impl HfConfig {
             // Qwen2/3 configs carry a window that is off unless `use_sliding_window`.
             Architecture::Qwen2 | Architecture::Qwen3 => self.use_sliding_window == Some(true),
             // Their windowed layers are computed as such (`windowed_layers`).
-            Architecture::Gemma3 | Architecture::Ministral3 => false,
+            Architecture::Gemma3 | Architecture::Ministral3 | Architecture::GptOss => false,
             _ => true,
         };
         match window {

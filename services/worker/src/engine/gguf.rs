@@ -350,6 +350,7 @@ pub fn load(path: &Path, keep_codes: bool) -> Result<GgufModel> {
         experts: None,
         linear_attention: None,
         attention_output_gate: false,
+        attention_sinks: false,
     };
     if arch == Architecture::Gemma3 {
         gemma3_settings(&mut config, &meta, &key)?;

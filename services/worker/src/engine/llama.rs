@@ -88,6 +88,7 @@ impl TensorNaming {
             (Self::HuggingFace, "down") => hf("mlp.down_proj"),
             (Self::HuggingFace, "q_norm") => hf("self_attn.q_norm.weight"),
             (Self::HuggingFace, "k_norm") => hf("self_attn.k_norm.weight"),
+            (Self::HuggingFace, "sinks") => hf("self_attn.sinks"),
             (Self::HuggingFace, "qkv") => hf("self_attn.qkv_proj"),
             (Self::HuggingFace, "gate_up") => hf("mlp.gate_up_proj"),
             // Gemma: `post_attention_layernorm` is the norm on attention's output, and the
@@ -127,6 +128,8 @@ struct Attention {
     /// Qwen3's per-head RMSNorm weights for queries and keys (`[head_dim]`).
     q_norm: Option<Array>,
     k_norm: Option<Array>,
+    /// gpt-oss's sink logit per query head (`[heads]`), in the softmax beside the scores.
+    sinks: Option<Array>,
 }
 
 /// A layer's MLP: one gated MLP, or a mixture of experts.
@@ -206,6 +209,7 @@ fn attention_weights(
     held: i32,
     scale: f32,
     window: Option<usize>,
+    sinks: Option<&Array>,
 ) -> Result<Array> {
     let (heads, t, dim) = (q.shape()[1], q.shape()[2], q.shape()[3]);
     let kv_heads = keys.shape()[1];
@@ -229,26 +233,44 @@ fn attention_weights(
         }
     }
     let mask = Array::from_slice(&mask, &[group * t, positions]);
-    let weights = mlx_rs::ops::softmax_axis(scores.add(&mask)?, -1, true)?;
+    let scores = scores.add(&mask)?;
+    let weights = match sinks {
+        None => mlx_rs::ops::softmax_axis(scores, -1, true)?,
+        Some(sinks) => {
+            // Row r of KV head g is query head g * group + r / t: its sink joins the softmax
+            // as one more column, whose weight goes to no position.
+            let column = mlx_rs::ops::broadcast_to(
+                sinks
+                    .as_dtype(scores.dtype())?
+                    .reshape(&[1, kv_heads, group, 1, 1])?,
+                &[1, kv_heads, group, t, 1],
+            )?
+            .reshape(&[1, kv_heads, group * t, 1])?;
+            let with_sink = concatenate(&[scores, column], -1)?;
+            mlx_rs::ops::softmax_axis(with_sink, -1, true)?.try_index((.., .., .., ..positions))?
+        }
+    };
     Ok(weights.mean_axes(&[0, 1, 2], false)?)
 }
 
 /// MLX's fused attention of `q` over `keys`/`values` (`[1, heads, positions, dim]`, the new
 /// tokens last): causal, and for a windowed layer each query sees its last `window` positions
-/// only (an explicit mask; a single query just reads the window's rows).
+/// only (an explicit mask; a single query just reads the window's rows). `sinks`: one logit
+/// per query head in each softmax (gpt-oss).
 fn fused_attention(
     q: &Array,
     keys: &Array,
     values: &Array,
     scale: f32,
     window: Option<usize>,
+    sinks: Option<&Array>,
 ) -> Result<Array> {
     let t = q.shape()[2];
     let positions = keys.shape()[2];
     let Some(w) = window.filter(|&w| (w as i32) < positions) else {
         let mask = (t > 1).then_some(ScaledDotProductAttentionMask::Causal);
         return Ok(fast::scaled_dot_product_attention(
-            q, keys, values, scale, mask, None,
+            q, keys, values, scale, mask, sinks,
         )?);
     };
     let held = positions - t;
@@ -257,7 +279,7 @@ fn fused_attention(
         let keys = keys.try_index((.., .., from.., ..))?;
         let values = values.try_index((.., .., from.., ..))?;
         return Ok(fast::scaled_dot_product_attention(
-            q, &keys, &values, scale, None, None,
+            q, &keys, &values, scale, None, sinks,
         )?);
     }
     let mut mask = vec![f32::NEG_INFINITY; (t * positions) as usize];
@@ -275,7 +297,7 @@ fn fused_attention(
         values,
         scale,
         ScaledDotProductAttentionMask::Array(&mask),
-        None,
+        sinks,
     )?)
 }
 
@@ -419,6 +441,11 @@ impl Model {
             } else {
                 (None, None)
             };
+            let sinks = if config.attention_sinks && linear.is_none() {
+                Some(store.vector(&name("sinks"), policy)?)
+            } else {
+                None
+            };
             let mixer = match (projections, linear) {
                 (Some((q, k, v)), _) => Mixer::Attention(Box::new(Attention {
                     q,
@@ -427,6 +454,7 @@ impl Model {
                     o: store.linear(&name("o"), policy)?,
                     q_norm,
                     k_norm,
+                    sinks,
                 })),
                 (None, Some(widths)) => {
                     Mixer::Linear(Box::new(linear_attention::GatedDeltaNet::load(
@@ -474,9 +502,16 @@ impl Model {
                 Some(a) => (&a.q_norm, &a.k_norm),
                 None => (&None, &None),
             };
-            for norm in [q_norm, k_norm, &layer.attn_out_norm, &layer.mlp_out_norm]
-                .into_iter()
-                .flatten()
+            let sinks = layer.attention().and_then(|a| a.sinks.as_ref()).cloned();
+            for norm in [
+                q_norm,
+                k_norm,
+                &layer.attn_out_norm,
+                &layer.mlp_out_norm,
+                &sinks,
+            ]
+            .into_iter()
+            .flatten()
             {
                 norm.eval()?;
             }
@@ -796,7 +831,8 @@ impl Model {
                     (keys.as_dtype(q.dtype())?, values.as_dtype(q.dtype())?)
                 };
                 if want == Outputs::AttentionScores {
-                    let weights = attention_weights(&q, &keys, held, scale, window)?;
+                    let weights =
+                        attention_weights(&q, &keys, held, scale, window, att.sinks.as_ref())?;
                     attention = Some(match attention.take() {
                         Some(sum) => sum.add(&weights)?,
                         None => weights,
@@ -804,7 +840,9 @@ impl Model {
                 }
                 inputs.push((q, keys, values));
             }
-            let few_queries = self.cpu_attention
+            // The CPU kernels have no sinks: gpt-oss's attention takes MLX's (which does).
+            let our_kernels = self.cpu_attention && att.sinks.is_none();
+            let few_queries = our_kernels
                 && inputs.iter().all(|(q, keys, _)| {
                     q.shape()[2] as usize <= strata_cpu_kernels::attention::FEW_QUERIES
                         && cpu_attention::applies(q, keys)
@@ -816,7 +854,7 @@ impl Model {
                 x = self.mlp(layer, &x, few)?;
                 continue;
             }
-            let ours = self.cpu_attention
+            let ours = our_kernels
                 && inputs
                     .iter()
                     .all(|(q, keys, _)| cpu_attention::applies(q, keys));
@@ -834,7 +872,9 @@ impl Model {
             } else {
                 inputs
                     .iter()
-                    .map(|(q, keys, values)| fused_attention(q, keys, values, scale, window))
+                    .map(|(q, keys, values)| {
+                        fused_attention(q, keys, values, scale, window, att.sinks.as_ref())
+                    })
                     .collect::<Result<Vec<_>>>()?
             };
             let mut outputs = Vec::with_capacity(batch.len());
@@ -968,6 +1008,7 @@ impl Model {
                 &values,
                 c.attention_scale,
                 window,
+                att.sinks.as_ref(),
             )?);
         }
         // `[n, heads, 1, dim]` is `[n, heads * dim]` in memory: one new token per sequence.

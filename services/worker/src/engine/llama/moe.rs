@@ -1,4 +1,4 @@
-//! Mixture-of-experts MLPs (Qwen3-MoE, Qwen2-MoE, Qwen3.5-MoE): a router scores every expert for each token, the
+//! Mixture-of-experts MLPs (Qwen3-MoE, Qwen2-MoE, Qwen3.5-MoE, gpt-oss): a router scores every expert for each token, the
 //! `per_token` best are run and their outputs summed, weighted by the router's probabilities
 //! (renormalised over the chosen ones where the model says so). The experts' weights are
 //! stacked per projection (`[experts, out, in]`) and applied with MLX's `gather_mm` (or
@@ -11,7 +11,7 @@ use mlx_rs::ops::{
     argpartition_axis, argsort, dequantize, gather_mm, gather_qmm, softmax_axis, stack,
 };
 
-use super::super::config::Experts;
+use super::super::config::{ExpertActivation, Experts};
 use super::super::policy::DtypePolicy;
 use super::super::weights::{Linear, QuantMode, TensorStore};
 use super::super::{EngineError, Result};
@@ -27,6 +27,9 @@ pub(super) struct MoeMlp {
     gate: ExpertWeights,
     up: ExpertWeights,
     down: ExpertWeights,
+    /// gpt-oss: each expert's biases of its gate, up and down projections (`[experts, out]`).
+    biases: Option<[Array; 3]>,
+    activation: ExpertActivation,
     per_token: i32,
     normalize_top_k: bool,
     shared: Option<SharedExpert>,
@@ -127,9 +130,71 @@ fn fused_expert_projection(store: &TensorStore, prefix: &str, part: &str) -> Res
     })
 }
 
+/// gpt-oss's experts as Hugging Face publishes them unquantised (transformers'
+/// `GptOssExperts`): `gate_up_proj` `[experts, hidden, 2 * width]` with the gate in the even
+/// columns and up in the odd ones, `down_proj` `[experts, width, hidden]`, so already
+/// `[experts, in, out]`; their biases beside them. None where the folder is mlx-lm's layout.
+fn gpt_oss_experts(
+    store: &TensorStore,
+    prefix: &str,
+    policy: DtypePolicy,
+) -> Result<Option<([ExpertWeights; 3], [Array; 3])>> {
+    let Some(gate_up) = store.get(&format!("{prefix}.experts.gate_up_proj")) else {
+        return Ok(None);
+    };
+    let bad = |name: &str, shape: &[i32]| {
+        EngineError::Config(format!(
+            "{prefix}.experts.{name}: shape {shape:?} is not gpt-oss's [experts, hidden, 2 * width]"
+        ))
+    };
+    let shape = gate_up.shape();
+    let [e, hidden, both] = shape[..] else {
+        return Err(bad("gate_up_proj", shape));
+    };
+    if both % 2 != 0 {
+        return Err(bad("gate_up_proj", shape));
+    }
+    let width = both / 2;
+    let pairs = gate_up.reshape(&[e, hidden, width, 2])?;
+    let bias = store.require(&format!("{prefix}.experts.gate_up_proj_bias"))?;
+    let bias_pairs = bias
+        .reshape(&[e, width, 2])
+        .map_err(|_| bad("gate_up_proj_bias", bias.shape()))?;
+    let dense = |a: Array| -> Result<ExpertWeights> {
+        let a = a.as_dtype(policy.compute)?.contiguous()?;
+        a.eval()?;
+        Ok(ExpertWeights::Dense(a))
+    };
+    let vector = |a: Array| -> Result<Array> {
+        let a = a.as_dtype(policy.compute)?.contiguous()?;
+        a.eval()?;
+        Ok(a)
+    };
+    let down = store
+        .require(&format!("{prefix}.experts.down_proj"))?
+        .clone();
+    let down_bias = store
+        .require(&format!("{prefix}.experts.down_proj_bias"))?
+        .clone();
+    Ok(Some((
+        [
+            dense(pairs.try_index((.., .., .., 0))?)?,
+            dense(pairs.try_index((.., .., .., 1))?)?,
+            dense(down)?,
+        ],
+        [
+            vector(bias_pairs.try_index((.., .., 0))?)?,
+            vector(bias_pairs.try_index((.., .., 1))?)?,
+            vector(down_bias)?,
+        ],
+    )))
+}
+
 impl MoeMlp {
-    /// Layer `layer`'s router (`mlp.gate`) and experts: Hugging Face's one tensor per expert
-    /// (`mlp.experts.E.gate_proj`) or mlx-lm's stacked `mlp.switch_mlp.gate_proj`, dense.
+    /// Layer `layer`'s router (`mlp.gate`, gpt-oss's `mlp.router`) and experts: Hugging
+    /// Face's one tensor per expert (`mlp.experts.E.gate_proj`), Qwen3.5-MoE's and gpt-oss's
+    /// fused ones, or mlx-lm's stacked `mlp.switch_mlp.gate_proj` (gpt-oss:
+    /// `mlp.experts.gate_proj`), dense or packed.
     pub(super) fn load(
         store: &TensorStore,
         layer: usize,
@@ -137,9 +202,21 @@ impl MoeMlp {
         policy: DtypePolicy,
     ) -> Result<Self> {
         let prefix = format!("model.layers.{layer}.mlp");
-        let router = store.linear(&format!("{prefix}.gate"), policy)?;
+        let gpt_oss = matches!(experts.activation, ExpertActivation::ClampedSwiGlu { .. });
+        let router = if gpt_oss {
+            store.linear(&format!("{prefix}.router"), policy)?
+        } else {
+            store.linear(&format!("{prefix}.gate"), policy)?
+        };
+        let stacked_name = |part: &str| {
+            if gpt_oss {
+                format!("{prefix}.experts.{part}")
+            } else {
+                format!("{prefix}.switch_mlp.{part}")
+            }
+        };
         let projection = |part: &str| -> Result<ExpertWeights> {
-            let stacked = format!("{prefix}.switch_mlp.{part}");
+            let stacked = stacked_name(part);
             if let Some(scales) = store.get(&format!("{stacked}.scales")) {
                 let q = store.quant.of(&stacked);
                 let (Some(bits), QuantMode::Affine) = (q.bits, q.mode) else {
@@ -210,11 +287,44 @@ impl MoeMlp {
                 Some(shared)
             }
         };
+        let fused = if gpt_oss {
+            gpt_oss_experts(store, &prefix, policy)?
+        } else {
+            None
+        };
+        let ([gate, up, down], biases) = match fused {
+            Some((weights, biases)) => (weights, Some(biases)),
+            None => {
+                let biases = if gpt_oss {
+                    // mlx-lm's layout: each stacked projection with its `bias`.
+                    let bias = |part: &str| -> Result<Array> {
+                        let b = store
+                            .require(&format!("{}.bias", stacked_name(part)))?
+                            .as_dtype(policy.compute)?;
+                        b.eval()?;
+                        Ok(b)
+                    };
+                    Some([bias("gate_proj")?, bias("up_proj")?, bias("down_proj")?])
+                } else {
+                    None
+                };
+                (
+                    [
+                        projection("gate_proj")?,
+                        projection("up_proj")?,
+                        projection("down_proj")?,
+                    ],
+                    biases,
+                )
+            }
+        };
         let moe = Self {
             router,
-            gate: projection("gate_proj")?,
-            up: projection("up_proj")?,
-            down: projection("down_proj")?,
+            gate,
+            up,
+            down,
+            biases,
+            activation: experts.activation,
             per_token: experts.per_token as i32,
             normalize_top_k: experts.normalize_top_k,
             shared,
@@ -257,16 +367,20 @@ impl MoeMlp {
                 .reshape(&[tokens * k, 1, hidden])?;
             let gate = self.gate.apply(&rows, &experts, true)?;
             let up = self.up.apply(&rows, &experts, true)?;
-            let act = mlx_rs::nn::silu(gate)?.multiply(&up)?;
+            let [gate, up] = [(gate, 0), (up, 1)].map(|(y, i)| self.add_bias(y, i, &experts));
+            let act = self.activate(gate?, up?)?;
             let out = self.down.apply(&act, &experts, true)?;
+            let out = self.add_bias(out, 2, &experts)?;
             out.take_axis(&back, 0)?.reshape(&[tokens, k, hidden])?
         } else {
             // [tokens, 1, 1, hidden] against each token's k experts: [tokens, k, 1, out].
             let xe = x.reshape(&[tokens, 1, 1, hidden])?;
             let gate = self.gate.apply(&xe, &chosen, false)?;
             let up = self.up.apply(&xe, &chosen, false)?;
-            let act = mlx_rs::nn::silu(gate)?.multiply(&up)?;
+            let [gate, up] = [(gate, 0), (up, 1)].map(|(y, i)| self.add_bias(y, i, &chosen));
+            let act = self.activate(gate?, up?)?;
             let out = self.down.apply(&act, &chosen, false)?;
+            let out = self.add_bias(out, 2, &chosen)?;
             out.reshape(&[tokens, k, hidden])?
         };
         let routed = out
@@ -281,5 +395,32 @@ impl MoeMlp {
             .forward_on(&mlx_rs::nn::silu(gate)?.multiply(&up)?, few)?;
         let scale = mlx_rs::ops::sigmoid(shared.scale.forward_on(x, few)?)?;
         Ok(routed.add(scale.multiply(&mlp)?)?)
+    }
+
+    /// `y` (`[..., 1, out]`, rows by `experts` of the same leading shape) plus projection
+    /// `which`'s bias of each row's expert, where the experts have biases.
+    fn add_bias(&self, y: Array, which: usize, experts: &Array) -> Result<Array> {
+        let Some(biases) = &self.biases else {
+            return Ok(y);
+        };
+        let rows = biases[which].take_axis(experts, 0)?;
+        let mut shape = rows.shape().to_vec();
+        shape.insert(shape.len() - 1, 1);
+        Ok(y.add(rows.reshape(&shape)?)?)
+    }
+
+    /// The expert's gated activation of its gate and up projections.
+    fn activate(&self, gate: Array, up: Array) -> Result<Array> {
+        Ok(match self.activation {
+            ExpertActivation::SwiGlu => mlx_rs::nn::silu(gate)?.multiply(&up)?,
+            ExpertActivation::ClampedSwiGlu { limit } => {
+                let dtype = gate.dtype();
+                let scalar = |v: f32| Array::from_f32(v).as_dtype(dtype);
+                let gate = mlx_rs::ops::minimum(&gate, scalar(limit)?)?;
+                let up = mlx_rs::ops::clip(&up, (scalar(-limit)?, scalar(limit)?))?;
+                let glu = gate.multiply(mlx_rs::ops::sigmoid(gate.multiply(scalar(1.702)?)?)?)?;
+                up.add(scalar(1.0)?)?.multiply(&glu)?
+            }
+        })
     }
 }
