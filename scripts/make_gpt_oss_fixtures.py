@@ -13,9 +13,16 @@ services/worker/tests/fixtures/families/:
   per query head, `self_attn.sinks`);
 - gpt_oss_mlx/: the same weights in mlx-lm's layout (what `mlx_lm.convert` writes:
   `mlp.experts.{gate,up,down}_proj.{weight,bias}` stacked `[experts, out, in]`);
-- gpt_oss_reference.json: mlx-lm 0.32.2's last-position logits and greedy tokens on the
-  mlx-lm folder for fixed prompts (mlx-lm's own `sanitize` cannot read the unquantised
-  Hugging Face layout, so the reference runs on the converted copy of the same weights).
+- gpt_oss_mxfp4/: the experts of those weights in MXFP4 as OpenAI publishes gpt-oss
+  (`gate_up_proj_blocks` `[experts, 2 * width, hidden / 32, 16]` bytes with gate and up rows
+  interleaved, `gate_up_proj_scales` e8m0 bytes, `down_proj_blocks`/`_scales`; the rest dense);
+- gpt_oss_mxfp4_mlx/: the same codes in mlx-lm's layout (`experts.gate_proj.weight` uint32,
+  `.scales`, `.bias`; config.json's `quantization` in mxfp4 mode), as mlx-community uploads;
+- gpt_oss_reference.json: mlx-lm 0.32.2's last-position logits and greedy tokens for fixed
+  prompts, on the mlx-lm folder (mlx-lm's own `sanitize` cannot read the unquantised Hugging
+  Face layout, so the reference runs on the converted copy of the same weights) and, for the
+  MXFP4 folders, on their codes expanded by MLX (mlx-lm 0.32.2's quantised SwitchGLU passes
+  `gather_qmm` a `global_scale` that mlx 0.32.2 does not take, so it cannot run them packed).
 A file of its own, with its own seed, so that the earlier fixtures stay byte for byte.
 """
 import json
@@ -106,8 +113,57 @@ def weights(c, rng):
     return hf, dict(shared, **mlx)
 
 
+def mxfp4(hf, mlx):
+    """The experts' matrices as MXFP4 codes: (OpenAI's layout, mlx-lm's, mlx-lm's dequantised)."""
+    import mlx.core as mx
+
+    def quantize(w):
+        codes, scales = mx.quantize(mx.array(w), group_size=32, bits=4, mode="mxfp4")
+        dense = mx.dequantize(codes, scales, group_size=32, bits=4, mode="mxfp4",
+                              dtype=mx.float32)
+        return np.array(codes), np.array(scales), np.array(dense)
+
+    def as_blocks(codes):
+        # uint32 [.., rows, in / 8] -> OpenAI's bytes [.., rows, in / 32, 16].
+        b = codes.view(np.uint8)
+        return b.reshape(*b.shape[:-1], b.shape[-1] // 16, 16)
+
+    openai = {k: v for k, v in hf.items()
+              if ".experts.gate_up_proj" not in k and ".experts.down_proj" not in k}
+    packed, dense = dict(openai), dict(openai)
+    layers = sorted({k.split(".experts.")[0] for k in mlx if ".experts." in k})
+    for m in layers:
+        q = {}
+        for name in ["gate_proj", "up_proj", "down_proj"]:
+            q[name] = quantize(mlx[f"{m}.experts.{name}.weight"])
+            codes, scales, expanded = q[name]
+            packed[f"{m}.experts.{name}.weight"] = codes
+            packed[f"{m}.experts.{name}.scales"] = scales
+            dense[f"{m}.experts.{name}.weight"] = expanded
+            for t in (packed, dense):
+                t[f"{m}.experts.{name}.bias"] = mlx[f"{m}.experts.{name}.bias"]
+        (gc, gs, _), (uc, us, _) = q["gate_proj"], q["up_proj"]
+        codes = np.empty((gc.shape[0], 2 * gc.shape[1], gc.shape[2]), gc.dtype)
+        codes[:, ::2], codes[:, 1::2] = gc, uc
+        scales = np.empty((gs.shape[0], 2 * gs.shape[1], gs.shape[2]), gs.dtype)
+        scales[:, ::2], scales[:, 1::2] = gs, us
+        openai[f"{m}.experts.gate_up_proj_blocks"] = as_blocks(codes)
+        openai[f"{m}.experts.gate_up_proj_scales"] = scales
+        openai[f"{m}.experts.gate_up_proj_bias"] = hf[f"{m}.experts.gate_up_proj_bias"]
+        openai[f"{m}.experts.down_proj_blocks"] = as_blocks(q["down_proj"][0])
+        openai[f"{m}.experts.down_proj_scales"] = q["down_proj"][1]
+        openai[f"{m}.experts.down_proj_bias"] = hf[f"{m}.experts.down_proj_bias"]
+    return openai, packed, dense
+
+
 def write(name, config, tensors):
-    folder = OUT / name
+    return write_to(OUT / name, config, tensors)
+
+
+def write_to(folder, config, tensors):
+    import pathlib
+
+    folder = pathlib.Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
@@ -125,13 +181,27 @@ def main():
     hf, mlx = weights(config, rng)
     write("gpt_oss", config, hf)
     folder = write("gpt_oss_mlx", config, mlx)
-    cases = reference(folder, prompts)
-    low = min(m for case in cases for m in case["greedy_margins"])
-    print(f"gpt_oss: smallest greedy margin {low:.4f}")
+    families = dict(gpt_oss=dict(model_type="gpt_oss", cases=reference(folder, prompts)))
+    openai, packed, dense = mxfp4(hf, mlx)
+    write("gpt_oss_mxfp4", dict(config, quantization_config=dict(
+        quant_method="mxfp4", modules_to_not_convert=["model.layers.*.self_attn",
+                                                      "model.layers.*.mlp.router",
+                                                      "model.embed_tokens", "lm_head"])),
+          openai)
+    write("gpt_oss_mxfp4_mlx", dict(config, quantization=dict(group_size=32, bits=4,
+                                                               mode="mxfp4")), packed)
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        expanded = write_to(tmp, config, dense)
+        families["gpt_oss_mxfp4"] = dict(model_type="gpt_oss",
+                                         cases=reference(expanded, prompts))
+    for name, entry in families.items():
+        low = min(m for case in entry["cases"] for m in case["greedy_margins"])
+        print(f"{name}: smallest greedy margin {low:.4f}")
     out = dict(
         generator="scripts/make_gpt_oss_fixtures.py",
         reference=f"mlx-lm {mlx_lm.__version__} on mlx {mx.__version__} (cpu, float32)",
-        families=dict(gpt_oss=dict(model_type="gpt_oss", cases=cases)),
+        families=families,
     )
     (OUT / "gpt_oss_reference.json").write_text(json.dumps(out) + "\n")
 

@@ -56,7 +56,7 @@ fn cases(family: &str) -> (String, Vec<Case>) {
     // The hybrid families have their own generator and file (scripts/make_hybrid_fixtures.py).
     let file = if family.starts_with("qwen3_5") {
         "families/hybrid_reference.json"
-    } else if family == "gpt_oss" {
+    } else if family.starts_with("gpt_oss") {
         "families/gpt_oss_reference.json"
     } else {
         "families/reference.json"
@@ -429,6 +429,15 @@ fn qwen3_5_moe_hybrid_matches_mlx_lm() {
 fn gpt_oss_matches_mlx_lm_in_both_layouts() {
     check_family("gpt_oss", "gpt_oss");
     check_family_at("gpt_oss", &family_dir("gpt_oss_mlx"), "gpt_oss");
+}
+
+/// gpt-oss's experts in MXFP4: as OpenAI publishes them (`gate_up_proj_blocks` of bytes, gate
+/// and up rows interleaved) and as mlx-lm converts them (uint32 codes in `quantization`'s mxfp4
+/// mode), the same codes, against mlx-lm on their expansion by MLX.
+#[test]
+fn gpt_oss_with_mxfp4_experts_matches_mlx_lm_in_both_layouts() {
+    check_family("gpt_oss_mxfp4", "gpt_oss");
+    check_family_at("gpt_oss_mxfp4", &family_dir("gpt_oss_mxfp4_mlx"), "gpt_oss");
 }
 
 /// The same on MLX's kernels (attention with sinks through `fast::scaled_dot_product_attention`

@@ -316,6 +316,12 @@ fn open_folder(dir: &Path, policy: DtypePolicy) -> Result<OpenedFolder> {
              (packed products are bound for affine only): more memory than the file"
         );
     }
+    if tensors.keys().any(|name| name.ends_with("_blocks")) {
+        tracing::warn!(
+            "OpenAI's MXFP4 experts (`*_blocks`) are expanded to dense weights at load: more \
+             memory than the file"
+        );
+    }
     let store = TensorStore::new(tensors, quant);
     let model = Model::load(config, &store, TensorNaming::HuggingFace, policy)?;
     Ok((model, None, tokenizer, template))

@@ -421,7 +421,7 @@ fn packed_codes(
 }
 
 /// MLX's `dequantize` in a float mode (mlx-rs binds only affine): scales without biases.
-fn dequantize_mode(
+pub(crate) fn dequantize_mode(
     weight: &Array,
     scales: &Array,
     group_size: i32,

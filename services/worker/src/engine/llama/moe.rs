@@ -13,7 +13,7 @@ use mlx_rs::ops::{
 
 use super::super::config::{ExpertActivation, Experts};
 use super::super::policy::DtypePolicy;
-use super::super::weights::{Linear, QuantMode, TensorStore};
+use super::super::weights::{Linear, QuantMode, TensorStore, dequantize_mode};
 use super::super::{EngineError, Result};
 
 /// (token, expert) pairs from which they are sorted by expert before the products.
@@ -130,18 +130,68 @@ fn fused_expert_projection(store: &TensorStore, prefix: &str, part: &str) -> Res
     })
 }
 
-/// gpt-oss's experts as Hugging Face publishes them unquantised (transformers'
-/// `GptOssExperts`): `gate_up_proj` `[experts, hidden, 2 * width]` with the gate in the even
+/// OpenAI's MXFP4 experts (`<name>_blocks`: `[experts, rows, in / 32, 16]` bytes of 4-bit
+/// floats, `<name>_scales`: e8m0 bytes per 32), expanded to `[experts, rows, in]` floats: the
+/// codes are MLX's mxfp4 packing byte for byte, read as its uint32 words.
+fn openai_mxfp4(store: &TensorStore, name: &str) -> Result<Option<Array>> {
+    let Some(blocks) = store.get(&format!("{name}_blocks")) else {
+        return Ok(None);
+    };
+    let scales = store.require(&format!("{name}_scales"))?;
+    let shape = blocks.shape();
+    let [e, rows, groups, 16] = shape[..] else {
+        return Err(EngineError::Config(format!(
+            "{name}_blocks: shape {shape:?}, expected [experts, rows, groups, 16]"
+        )));
+    };
+    let words = blocks
+        .view::<u32>()
+        .map_err(|e| EngineError::Config(format!("{name}_blocks as uint32 words: {e}")))?
+        .reshape(&[e, rows, groups * 4])?;
+    Ok(Some(dequantize_mode(
+        &words,
+        scales,
+        32,
+        4,
+        QuantMode::Mxfp4,
+    )?))
+}
+
+/// gpt-oss's experts as Hugging Face publishes them: unquantised (transformers'
+/// `GptOssExperts`: `gate_up_proj` `[experts, hidden, 2 * width]` with the gate in the even
 /// columns and up in the odd ones, `down_proj` `[experts, width, hidden]`, so already
-/// `[experts, in, out]`; their biases beside them. None where the folder is mlx-lm's layout.
+/// `[experts, in, out]`), or in OpenAI's MXFP4 (`gate_up_proj_blocks`: rows out, gate and up
+/// rows interleaved), expanded at load; their biases beside them. None where the folder is
+/// mlx-lm's layout.
 fn gpt_oss_experts(
     store: &TensorStore,
     prefix: &str,
     policy: DtypePolicy,
 ) -> Result<Option<([ExpertWeights; 3], [Array; 3])>> {
-    let Some(gate_up) = store.get(&format!("{prefix}.experts.gate_up_proj")) else {
-        return Ok(None);
+    let experts = format!("{prefix}.experts");
+    let (gate_up, down) = match (
+        openai_mxfp4(store, &format!("{experts}.gate_up_proj"))?,
+        openai_mxfp4(store, &format!("{experts}.down_proj"))?,
+    ) {
+        // `[experts, out, in]` -> `[experts, in, out]`.
+        (Some(gate_up), Some(down)) => (
+            gate_up.transpose_axes(&[0, 2, 1])?,
+            down.transpose_axes(&[0, 2, 1])?,
+        ),
+        (None, None) => match store.get(&format!("{experts}.gate_up_proj")) {
+            Some(gate_up) => (
+                gate_up.clone(),
+                store.require(&format!("{experts}.down_proj"))?.clone(),
+            ),
+            None => return Ok(None),
+        },
+        _ => {
+            return Err(EngineError::Config(format!(
+                "{experts}: gate_up_proj and down_proj are not both in MXFP4 blocks"
+            )));
+        }
     };
+    let gate_up = &gate_up;
     let bad = |name: &str, shape: &[i32]| {
         EngineError::Config(format!(
             "{prefix}.experts.{name}: shape {shape:?} is not gpt-oss's [experts, hidden, 2 * width]"
@@ -170,9 +220,6 @@ fn gpt_oss_experts(
         a.eval()?;
         Ok(a)
     };
-    let down = store
-        .require(&format!("{prefix}.experts.down_proj"))?
-        .clone();
     let down_bias = store
         .require(&format!("{prefix}.experts.down_proj_bias"))?
         .clone();
@@ -219,13 +266,22 @@ impl MoeMlp {
             let stacked = stacked_name(part);
             if let Some(scales) = store.get(&format!("{stacked}.scales")) {
                 let q = store.quant.of(&stacked);
-                let (Some(bits), QuantMode::Affine) = (q.bits, q.mode) else {
+                let Some(bits) = q.bits else {
                     return Err(EngineError::Config(format!(
-                        "{stacked}: experts in {} mode (affine ones are read)",
-                        q.mode.name()
+                        "{stacked}: quantised experts without a bit width"
                     )));
                 };
                 let weight = store.require(&format!("{stacked}.weight"))?.clone();
+                if q.mode != QuantMode::Affine {
+                    // The float modes are expanded at load, as dense matrices in them are
+                    // (mlx-rs binds gather_qmm for affine codes only).
+                    let dense = dequantize_mode(&weight, scales, q.group_size, bits, q.mode)?
+                        .as_dtype(policy.compute)?
+                        .transpose_axes(&[0, 2, 1])?
+                        .contiguous()?;
+                    dense.eval()?;
+                    return Ok(ExpertWeights::Dense(dense));
+                }
                 let biases = store.require(&format!("{stacked}.biases"))?.clone();
                 if policy.quantized_weights {
                     for a in [&weight, scales, &biases] {
