@@ -107,7 +107,10 @@ class Cluster:
         r = call(self.base, "/v1/completions",
                  {"model": "m", "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
                   "ignore_eos": True})
-        return time.perf_counter() - started, r["usage"]
+        took = time.perf_counter() - started
+        # The answer's text, so that a hit can be compared with the cold run.
+        r["usage"]["text"] = r["choices"][0]["text"]
+        return took, r["usage"]
 
     def worker_pid(self):
         health = call(self.base, "/health")
@@ -183,6 +186,7 @@ def main():
             after = c.disk()
             added = after["bytes"] - before["bytes"]
             row = {"prompt_tokens": usage["prompt_tokens"], "cold_s": cold,
+                   "cold_text": usage["text"],
                    "disk_bytes_added": added, "blocks_added": after["blocks"] - before["blocks"],
                    "bytes_per_1k_tokens": added / (n / 1000),
                    "worker_survived": c.worker_pid() == pid}
@@ -201,6 +205,7 @@ def main():
                     continue
                 t, usage = c.complete(prompts[n])
                 row["after_restart_s" + suffix] = t
+                row["after_restart_text" + suffix] = usage["text"]
                 row["after_restart_cached_tokens" + suffix] = (
                     usage.get("prompt_tokens_details") or {}).get("cached_tokens")
                 if args.decode and variant is None:

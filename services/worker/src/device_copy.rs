@@ -38,6 +38,7 @@ type CuStreamCreate = unsafe extern "C" fn(stream: *mut *mut libc::c_void, flags
 type CuMemcpyAsync =
     unsafe extern "C" fn(dst: u64, src: u64, bytes: usize, stream: *mut libc::c_void) -> CuResult;
 type CuStreamSynchronize = unsafe extern "C" fn(stream: *mut libc::c_void) -> CuResult;
+type CuStreamDestroy = unsafe extern "C" fn(stream: *mut libc::c_void) -> CuResult;
 
 /// `CU_STREAM_NON_BLOCKING`: a stream that does not wait for the legacy default stream.
 const STREAM_NON_BLOCKING: u32 = 1;
@@ -48,6 +49,9 @@ struct SideStream {
     create: CuStreamCreate,
     memcpy_async: CuMemcpyAsync,
     synchronize: CuStreamSynchronize,
+    /// For the streams of short-lived threads (`write_runs`); absent: those use the default
+    /// path.
+    destroy: Option<CuStreamDestroy>,
 }
 
 /// `CUmemLocation`: where memory should live.
@@ -125,6 +129,11 @@ fn driver() -> Option<&'static Driver> {
                                 *mut libc::c_void,
                                 CuStreamSynchronize,
                             >(s),
+                            destroy: sym(c"cuStreamDestroy_v2")
+                                .or_else(|| sym(c"cuStreamDestroy"))
+                                .map(|p| {
+                                    std::mem::transmute::<*mut libc::c_void, CuStreamDestroy>(p)
+                                }),
                         }),
                         _ => None,
                     },
@@ -200,6 +209,66 @@ unsafe fn side_copy(dst: *mut u8, src: &[u8]) -> bool {
 
 /// Copies on a side stream that failed (then made on the default stream).
 pub static FAILED_SIDE_COPIES: AtomicU64 = AtomicU64::new(0);
+
+/// Imports written straight into device memory (`write_runs`), and those that fell back to
+/// host writes.
+pub static DEVICE_WRITES: AtomicU64 = AtomicU64::new(0);
+pub static FAILED_DEVICE_WRITES: AtomicU64 = AtomicU64::new(0);
+
+/// Writes each `(offset, bytes)` run into the buffer at `dst` (an evaluated MLX array's, on
+/// the device): all of them queued on a non-blocking stream made for the call (the importing
+/// threads live for one import: a thread-local stream would leak with each), then one wait,
+/// and the stream destroyed. Where a run
+/// fails, every run is written again through host pointers (managed memory is
+/// host-writable, only slower), so the buffer always ends up written. Returns whether the
+/// driver wrote it.
+///
+/// # Safety
+/// `dst` must be valid for writes of `len` bytes, every run must lie inside them, and nothing
+/// may read or write that memory until this returns.
+pub unsafe fn write_runs(dst: *mut u8, len: usize, runs: &[(usize, &[u8])]) -> bool {
+    debug_assert!(runs.iter().all(|(at, b)| at + b.len() <= len));
+    let queued = driver().and_then(|d| Some((d.side?, d))).and_then(|(side, d)| {
+        let destroy = side.destroy?;
+        let mut stream = std::ptr::null_mut();
+        // SAFETY: an out-pointer to a local, the primary context made current first.
+        let made = unsafe {
+            ensure_context(d);
+            (side.create)(&mut stream, STREAM_NON_BLOCKING) == 0 && !stream.is_null()
+        };
+        if !made {
+            return Some(false);
+        }
+        // SAFETY: every run lies inside `dst`'s `len` bytes (the caller's promise); the
+        // sources are borrowed host memory alive for the call; the wait below completes
+        // every copy before the stream is destroyed and this returns.
+        let failed = runs.iter().any(|(at, bytes)| unsafe {
+            (side.memcpy_async)(
+                dst.add(*at) as u64,
+                bytes.as_ptr() as u64,
+                bytes.len(),
+                stream,
+            ) != 0
+        });
+        let waited = unsafe { (side.synchronize)(stream) } == 0;
+        // SAFETY: the stream is this call's, idle after the wait.
+        unsafe { destroy(stream) };
+        Some(!failed && waited)
+    });
+    if queued == Some(true) {
+        DEVICE_WRITES.fetch_add(1, Ordering::Relaxed);
+        return true;
+    }
+    if queued.is_some() && FAILED_DEVICE_WRITES.fetch_add(1, Ordering::Relaxed) == 0 {
+        tracing::warn!("the CUDA driver could not write imported KV to the device; writing it through host pointers (slower)");
+    }
+    for (at, bytes) in runs {
+        // SAFETY: inside `dst`'s `len` bytes (the caller's promise), from borrowed memory
+        // that cannot overlap a fresh MLX buffer.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst.add(*at), bytes.len()) };
+    }
+    false
+}
 
 /// This thread's non-blocking stream, made at its first use (None if it cannot be).
 fn side_stream(d: &Driver, side: SideStream) -> Option<*mut libc::c_void> {

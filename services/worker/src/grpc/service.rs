@@ -964,6 +964,16 @@ fn live_features(serving: &Serving) -> std::collections::HashMap<String, String>
                 "; imported KV: {moved} buffers moved to the device in bulk, {refused} refused by the driver"
             ));
         }
+        let (written, failed) = (
+            crate::device_copy::DEVICE_WRITES.load(Ordering::Relaxed),
+            crate::device_copy::FAILED_DEVICE_WRITES.load(Ordering::Relaxed),
+        );
+        if written + failed > 0 {
+            v.push_str(&format!(
+                "; imported KV: {written} buffers written on the device by the driver, {failed} \
+                 written through host pointers after it failed"
+            ));
+        }
     }
     out
 }
