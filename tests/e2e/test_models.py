@@ -276,19 +276,21 @@ FAMILIES_DIR = (pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen3_moe", "ministral3", "gemma3_gguf",
-                                    "qwen3_5", "qwen3_5_moe", "gpt_oss"])
+                                    "qwen3_5", "qwen3_5_moe", "qwen3_next", "gpt_oss"])
 def test_new_families_are_served_and_cached_across_restarts(bin_dir, tmp_path, family):
     """The random-weight fixtures of the families added in round 2, served by the real
     cluster: Gemma 3 (five windowed layers of 16 tokens to each global one; also as llama.cpp
     converts it to GGUF), Qwen3-MoE (2 of 8 experts per token), Ministral 3 (YaRN, query
     scaling past 32 positions), the hybrid Qwen3.5 and Qwen3.5-MoE (Gated DeltaNet layers
-    whose recurrent states travel in each block's snapshot), gpt-oss (windows of 8 tokens
+    whose recurrent states travel in each block's snapshot; Qwen3-Next, their layers with
+    the projections fused as published), gpt-oss (windows of 8 tokens
     between full layers, attention sinks, experts with biases). mlx-lm's greedy tokens for
     prompts of 7, 33 and 130 tokens, the same answer again from the cache (L0/L1), and after a
     restart of every process from the disk tier (L2)."""
     reference_family = family.removesuffix("_gguf")
     file = ("hybrid_reference.json" if family.startswith("qwen3_5")
-            else "gpt_oss_reference.json" if family == "gpt_oss" else "reference.json")
+            else "gpt_oss_reference.json" if family == "gpt_oss"
+            else "qwen3_next_reference.json" if family == "qwen3_next" else "reference.json")
     reference = json.loads((FAMILIES_DIR / file).read_text())
     reference = reference["families"][reference_family]
     path = FAMILIES_DIR / family

@@ -228,39 +228,43 @@ pub static FAILED_DEVICE_WRITES: AtomicU64 = AtomicU64::new(0);
 /// may read or write that memory until this returns.
 pub unsafe fn write_runs(dst: *mut u8, len: usize, runs: &[(usize, &[u8])]) -> bool {
     debug_assert!(runs.iter().all(|(at, b)| at + b.len() <= len));
-    let queued = driver().and_then(|d| Some((d.side?, d))).and_then(|(side, d)| {
-        let destroy = side.destroy?;
-        let mut stream = std::ptr::null_mut();
-        // SAFETY: an out-pointer to a local, the primary context made current first.
-        let made = unsafe {
-            ensure_context(d);
-            (side.create)(&mut stream, STREAM_NON_BLOCKING) == 0 && !stream.is_null()
-        };
-        if !made {
-            return Some(false);
-        }
-        // SAFETY: every run lies inside `dst`'s `len` bytes (the caller's promise); the
-        // sources are borrowed host memory alive for the call; the wait below completes
-        // every copy before the stream is destroyed and this returns.
-        let failed = runs.iter().any(|(at, bytes)| unsafe {
-            (side.memcpy_async)(
-                dst.add(*at) as u64,
-                bytes.as_ptr() as u64,
-                bytes.len(),
-                stream,
-            ) != 0
+    let queued = driver()
+        .and_then(|d| Some((d.side?, d)))
+        .and_then(|(side, d)| {
+            let destroy = side.destroy?;
+            let mut stream = std::ptr::null_mut();
+            // SAFETY: an out-pointer to a local, the primary context made current first.
+            let made = unsafe {
+                ensure_context(d);
+                (side.create)(&mut stream, STREAM_NON_BLOCKING) == 0 && !stream.is_null()
+            };
+            if !made {
+                return Some(false);
+            }
+            // SAFETY: every run lies inside `dst`'s `len` bytes (the caller's promise); the
+            // sources are borrowed host memory alive for the call; the wait below completes
+            // every copy before the stream is destroyed and this returns.
+            let failed = runs.iter().any(|(at, bytes)| unsafe {
+                (side.memcpy_async)(
+                    dst.add(*at) as u64,
+                    bytes.as_ptr() as u64,
+                    bytes.len(),
+                    stream,
+                ) != 0
+            });
+            let waited = unsafe { (side.synchronize)(stream) } == 0;
+            // SAFETY: the stream is this call's, idle after the wait.
+            unsafe { destroy(stream) };
+            Some(!failed && waited)
         });
-        let waited = unsafe { (side.synchronize)(stream) } == 0;
-        // SAFETY: the stream is this call's, idle after the wait.
-        unsafe { destroy(stream) };
-        Some(!failed && waited)
-    });
     if queued == Some(true) {
         DEVICE_WRITES.fetch_add(1, Ordering::Relaxed);
         return true;
     }
     if queued.is_some() && FAILED_DEVICE_WRITES.fetch_add(1, Ordering::Relaxed) == 0 {
-        tracing::warn!("the CUDA driver could not write imported KV to the device; writing it through host pointers (slower)");
+        tracing::warn!(
+            "the CUDA driver could not write imported KV to the device; writing it through host pointers (slower)"
+        );
     }
     for (at, bytes) in runs {
         // SAFETY: inside `dst`'s `len` bytes (the caller's promise), from borrowed memory

@@ -56,6 +56,8 @@ fn cases(family: &str) -> (String, Vec<Case>) {
     // The hybrid families have their own generator and file (scripts/make_hybrid_fixtures.py).
     let file = if family.starts_with("qwen3_5") {
         "families/hybrid_reference.json"
+    } else if family == "qwen3_next" {
+        "families/qwen3_next_reference.json"
     } else if family.starts_with("gpt_oss") {
         "families/gpt_oss_reference.json"
     } else {
@@ -447,6 +449,18 @@ fn gpt_oss_on_mlx_kernels_matches_mlx_lm() {
     let mut m = loader::open(&family_dir("gpt_oss"), DtypePolicy::F32, BLOCK).unwrap();
     m.model.use_mlx_kernels();
     check_family_on("gpt_oss", &m, "gpt_oss");
+}
+
+/// Qwen3-Next: Qwen3.5-MoE's layers with the Gated DeltaNet's projections fused per key head
+/// (`in_proj_qkvz`, `in_proj_ba`), experts one tensor each, a layer kept dense by
+/// `mlp_only_layers` (scripts/make_qwen3_next_fixtures.py); on the host recurrence and on the
+/// device's.
+#[test]
+fn qwen3_next_matches_mlx_lm() {
+    check_family("qwen3_next", "qwen3_next");
+    let mut m = loader::open(&family_dir("qwen3_next"), DtypePolicy::F32, BLOCK).unwrap();
+    assert!(m.model.set_device_recurrence(true).unwrap() > 0);
+    check_family_on("qwen3_next", &m, "qwen3_next");
 }
 
 #[test]

@@ -43,6 +43,10 @@ pub enum Architecture {
     /// Qwen3.5-MoE / Qwen3.6-35B-A3B: Qwen3.5's layers with Qwen3-Next's mixture of experts in
     /// every layer (softmax router, top-k renormalised, a shared expert behind a sigmoid gate).
     Qwen3_5Moe,
+    /// Qwen3-Next (Qwen3-Next-80B-A3B): Qwen3.5-MoE's layers before it, with the Gated
+    /// DeltaNet's projections fused per key head on disk (`in_proj_qkvz`, `in_proj_ba`) and
+    /// `mlp_only_layers` / `decoder_sparse_step` deciding which layers route.
+    Qwen3Next,
     /// gpt-oss (OpenAI's 20B and 120B): sliding-window layers (128 tokens) alternating with
     /// full attention, biases on q/k/v/o, a learned sink logit per query head in attention's
     /// softmax, YaRN RoPE, and a mixture of experts in every layer: a router with a bias,
@@ -66,9 +70,10 @@ impl Architecture {
             "qwen3_5" | "qwen3_5_text" | "Qwen3_5ForCausalLM" => Ok(Self::Qwen3_5),
             "qwen3_5_moe" | "qwen3_5_moe_text" | "Qwen3_5MoeForCausalLM" => Ok(Self::Qwen3_5Moe),
             "gpt_oss" | "GptOssForCausalLM" => Ok(Self::GptOss),
+            "qwen3_next" | "Qwen3NextForCausalLM" => Ok(Self::Qwen3Next),
             other => Err(EngineError::UnknownArchitecture(format!(
                 "{other} (supported: llama, mistral, qwen2, qwen3, phi3, smollm3, gemma3_text, \
-                 ministral3, qwen3_moe, qwen2_moe, qwen3_5, qwen3_5_moe, gpt_oss)"
+                 ministral3, qwen3_moe, qwen2_moe, qwen3_5, qwen3_5_moe, qwen3_next, gpt_oss)"
             ))),
         }
     }
@@ -88,6 +93,7 @@ impl Architecture {
             Self::Qwen3_5 => "qwen3_5",
             Self::Qwen3_5Moe => "qwen3_5_moe",
             Self::GptOss => "gpt_oss",
+            Self::Qwen3Next => "qwen3_next",
         }
     }
 
@@ -95,13 +101,18 @@ impl Architecture {
     pub fn has_qk_norm(self) -> bool {
         matches!(
             self,
-            Self::Qwen3 | Self::Gemma3 | Self::Qwen3Moe | Self::Qwen3_5 | Self::Qwen3_5Moe
+            Self::Qwen3
+                | Self::Gemma3
+                | Self::Qwen3Moe
+                | Self::Qwen3_5
+                | Self::Qwen3_5Moe
+                | Self::Qwen3Next
         )
     }
 
     /// Hybrid layers: linear attention with a recurrent state between attention layers.
     pub fn is_hybrid(self) -> bool {
-        matches!(self, Self::Qwen3_5 | Self::Qwen3_5Moe)
+        matches!(self, Self::Qwen3_5 | Self::Qwen3_5Moe | Self::Qwen3Next)
     }
 
     /// Gemma's layout: RMSNorm weights stored as offsets from 1, the outputs of attention and
@@ -693,14 +704,20 @@ impl HfConfig {
         }
         if !matches!(
             arch,
-            Architecture::Qwen3Moe | Architecture::Qwen2Moe | Architecture::Qwen3_5Moe
+            Architecture::Qwen3Moe
+                | Architecture::Qwen2Moe
+                | Architecture::Qwen3_5Moe
+                | Architecture::Qwen3Next
         ) {
             return Ok(None);
         }
         // Qwen3.5-MoE routes in every layer beside a shared expert, as Qwen2-MoE does, but
-        // renormalises the chosen experts' probabilities unless told otherwise.
+        // renormalises the chosen experts' probabilities unless told otherwise. Qwen3-Next
+        // has the shared expert too, in the layers Qwen3-MoE's rule picks.
         let qwen3_5 = arch == Architecture::Qwen3_5Moe;
-        let shared = arch == Architecture::Qwen2Moe || qwen3_5;
+        let next = arch == Architecture::Qwen3Next;
+        let shared = arch == Architecture::Qwen2Moe || qwen3_5 || next;
+        let every_layer = shared && !next;
         if shared && self.shared_expert_intermediate_size.is_none() {
             return Err(EngineError::Config(format!(
                 "{} needs shared_expert_intermediate_size",
@@ -720,7 +737,8 @@ impl HfConfig {
         let step = self.decoder_sparse_step.unwrap_or(1).max(1);
         let layers = (0..self.num_hidden_layers)
             .filter(|l| {
-                shared || (count > 0 && !self.mlp_only_layers.contains(l) && (l + 1) % step == 0)
+                every_layer
+                    || (count > 0 && !self.mlp_only_layers.contains(l) && (l + 1) % step == 0)
             })
             .collect();
         Ok(Some(Experts {

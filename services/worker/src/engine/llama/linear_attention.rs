@@ -2,7 +2,9 @@
 //! normalised input (the convolution's channels `qkv`, the output gate `z`, and per value head
 //! `b` and `a`), then the token mixer of `strata_cpu_kernels::gated_delta` (causal convolution,
 //! gated delta rule, gated RMSNorm) on each sequence's own recurrent state, then `out_proj`.
-//! The arithmetic of mlx-lm's `qwen3_5.GatedDeltaNet`.
+//! The arithmetic of mlx-lm's `qwen3_5.GatedDeltaNet`; Qwen3-Next stores the same four
+//! projections fused per key head (`in_proj_qkvz`, `in_proj_ba`), whose outputs are
+//! reordered into them.
 //!
 //! On a CPU the mixer runs in that host kernel (the fastest there: one pass over each head's
 //! state a token). On a GPU it runs as MLX operations (`delta_rule_device`), its state kept
@@ -21,10 +23,7 @@ use super::SeqChunk;
 use super::delta_rule_device::{self, DeviceInputs, DeviceWeights};
 
 pub(super) struct GatedDeltaNet {
-    qkv: Linear,
-    z: Linear,
-    b: Linear,
-    a: Linear,
+    projections: Projections,
     out: Linear,
     /// The depthwise convolution, `[channels, kernel]`.
     conv: Vec<f32>,
@@ -36,6 +35,118 @@ pub(super) struct GatedDeltaNet {
     shape: Shape,
     /// The same weights on the device where the recurrence runs there (a GPU).
     device: Option<DeviceWeights>,
+}
+
+/// The layer's input projections as stored.
+enum Projections {
+    /// Qwen3.5: `in_proj_qkv` (q of every key head, then k, then v), `in_proj_z`,
+    /// `in_proj_b`, `in_proj_a`.
+    Split {
+        qkv: Linear,
+        z: Linear,
+        b: Linear,
+        a: Linear,
+    },
+    /// Qwen3-Next: `in_proj_qkvz` (per key head its q, k, then the v and z of its value
+    /// heads) and `in_proj_ba` (per key head the b, then the a of its value heads), with the
+    /// output columns that make Qwen3.5's four, in their order.
+    Fused {
+        qkvz: Linear,
+        ba: Linear,
+        qkv_columns: Array,
+        z_columns: Array,
+        b_columns: Array,
+        a_columns: Array,
+    },
+}
+
+impl Projections {
+    /// Qwen3-Next's column orders for `shape` (mlx-lm's `fix_query_key_value_ordering`).
+    fn fused(qkvz: Linear, ba: Linear, shape: Shape) -> Result<Self> {
+        let (nk, dk) = (shape.key_heads, shape.key_dim);
+        let per = shape.value_heads / nk;
+        let vz = per * shape.value_dim;
+        let group = 2 * dk + 2 * vz;
+        let cols = |from: usize, len: usize| -> Vec<i32> {
+            (0..nk)
+                .flat_map(|h| (h * group + from..h * group + from + len).map(|c| c as i32))
+                .collect()
+        };
+        let mut qkv = cols(0, dk);
+        qkv.extend(cols(dk, dk));
+        qkv.extend(cols(2 * dk, vz));
+        let z = cols(2 * dk + vz, vz);
+        let ba_cols = |from: usize| -> Vec<i32> {
+            (0..nk)
+                .flat_map(|h| (h * 2 * per + from..h * 2 * per + from + per).map(|c| c as i32))
+                .collect()
+        };
+        let array = |v: Vec<i32>| -> Result<Array> {
+            let a = Array::from_slice(&v, &[v.len() as i32]);
+            a.eval()?;
+            Ok(a)
+        };
+        let rows = |l: &Linear| l.matrix.out_features() as usize;
+        if rows(&qkvz) != nk * group || rows(&ba) != 2 * shape.value_heads {
+            return Err(EngineError::Config(format!(
+                "in_proj_qkvz / in_proj_ba: {} and {} rows, expected {} and {} for {shape:?}",
+                rows(&qkvz),
+                rows(&ba),
+                nk * group,
+                2 * shape.value_heads
+            )));
+        }
+        Ok(Self::Fused {
+            qkvz,
+            ba,
+            qkv_columns: array(qkv)?,
+            z_columns: array(z)?,
+            b_columns: array(ba_cols(0))?,
+            a_columns: array(ba_cols(per))?,
+        })
+    }
+
+    /// `[qkv, z, b, a]` for `x`, in Qwen3.5's layouts.
+    fn forward(&self, x: &Array, few: bool) -> Result<[Array; 4]> {
+        match self {
+            Self::Split { qkv, z, b, a } => {
+                let [qkv, z] = Linear::forward_group([qkv, z], x, few)?;
+                let [b, a] = Linear::forward_group([b, a], x, few)?;
+                Ok([qkv, z, b, a])
+            }
+            Self::Fused {
+                qkvz,
+                ba,
+                qkv_columns,
+                z_columns,
+                b_columns,
+                a_columns,
+            } => {
+                let [qkvz, ba] = Linear::forward_group([qkvz, ba], x, few)?;
+                // Contiguous: the host recurrence reads them as rows.
+                let pick = |p: &Array, columns: &Array| -> Result<Array> {
+                    Ok(p.take_axis(columns, -1)?.contiguous()?)
+                };
+                Ok([
+                    pick(&qkvz, qkv_columns)?,
+                    pick(&qkvz, z_columns)?,
+                    pick(&ba, b_columns)?,
+                    pick(&ba, a_columns)?,
+                ])
+            }
+        }
+    }
+
+    fn eval(&self) -> Result<()> {
+        let all: Vec<&Linear> = match self {
+            Self::Split { qkv, z, b, a } => vec![qkv, z, b, a],
+            Self::Fused { qkvz, ba, .. } => vec![qkvz, ba],
+        };
+        for m in all {
+            m.eval()?;
+        }
+        Ok(())
+    }
 }
 
 fn host_vector(a: &Array) -> Result<Vec<f32>> {
@@ -84,11 +195,22 @@ impl GatedDeltaNet {
             }
             Ok(v)
         };
+        let projections = if store.contains(&format!("{}.weight", name("in_proj_qkvz"))) {
+            Projections::fused(
+                store.linear(&name("in_proj_qkvz"), policy)?,
+                store.linear(&name("in_proj_ba"), policy)?,
+                shape,
+            )?
+        } else {
+            Projections::Split {
+                qkv: store.linear(&name("in_proj_qkv"), policy)?,
+                z: store.linear(&name("in_proj_z"), policy)?,
+                b: store.linear(&name("in_proj_b"), policy)?,
+                a: store.linear(&name("in_proj_a"), policy)?,
+            }
+        };
         let layer = Self {
-            qkv: store.linear(&name("in_proj_qkv"), policy)?,
-            z: store.linear(&name("in_proj_z"), policy)?,
-            b: store.linear(&name("in_proj_b"), policy)?,
-            a: store.linear(&name("in_proj_a"), policy)?,
+            projections,
             out: store.linear(&name("out_proj"), policy)?,
             // Both layouts hold [channels, kernel] in memory order (one axis is 1).
             conv: host_vector(conv_weight)?,
@@ -99,9 +221,8 @@ impl GatedDeltaNet {
             shape,
             device: None,
         };
-        for m in [&layer.qkv, &layer.z, &layer.b, &layer.a, &layer.out] {
-            m.eval()?;
-        }
+        layer.projections.eval()?;
+        layer.out.eval()?;
         Ok(layer)
     }
 
@@ -138,8 +259,7 @@ impl GatedDeltaNet {
         index: usize,
         few: bool,
     ) -> Result<Array> {
-        let [qkv, z] = Linear::forward_group([&self.qkv, &self.z], x, few)?;
-        let [b, a] = Linear::forward_group([&self.b, &self.a], x, few)?;
+        let [qkv, z, b, a] = self.projections.forward(x, few)?;
         if let Some(weights) = &self.device {
             let mut outs = Vec::with_capacity(batch.len());
             for (seq, &(start, end)) in batch.iter_mut().zip(ranges) {
