@@ -39,6 +39,7 @@ type CuMemcpyAsync =
     unsafe extern "C" fn(dst: u64, src: u64, bytes: usize, stream: *mut libc::c_void) -> CuResult;
 type CuStreamSynchronize = unsafe extern "C" fn(stream: *mut libc::c_void) -> CuResult;
 type CuStreamDestroy = unsafe extern "C" fn(stream: *mut libc::c_void) -> CuResult;
+type CuMemAllocHost = unsafe extern "C" fn(pp: *mut *mut libc::c_void, bytes: usize) -> CuResult;
 
 /// `CU_STREAM_NON_BLOCKING`: a stream that does not wait for the legacy default stream.
 const STREAM_NON_BLOCKING: u32 = 1;
@@ -52,6 +53,8 @@ struct SideStream {
     /// For the streams of short-lived threads (`write_runs`); absent: those use the default
     /// path.
     destroy: Option<CuStreamDestroy>,
+    /// Page-locked staging buffers for `write_runs`; absent: copies from pageable memory.
+    alloc_host: Option<CuMemAllocHost>,
 }
 
 /// `CUmemLocation`: where memory should live.
@@ -133,6 +136,11 @@ fn driver() -> Option<&'static Driver> {
                                 .or_else(|| sym(c"cuStreamDestroy"))
                                 .map(|p| {
                                     std::mem::transmute::<*mut libc::c_void, CuStreamDestroy>(p)
+                                }),
+                            alloc_host: sym(c"cuMemAllocHost_v2")
+                                .or_else(|| sym(c"cuMemAllocHost"))
+                                .map(|p| {
+                                    std::mem::transmute::<*mut libc::c_void, CuMemAllocHost>(p)
                                 }),
                         }),
                         _ => None,
@@ -216,47 +224,21 @@ pub static DEVICE_WRITES: AtomicU64 = AtomicU64::new(0);
 pub static FAILED_DEVICE_WRITES: AtomicU64 = AtomicU64::new(0);
 
 /// Writes each `(offset, bytes)` run into the buffer at `dst` (an evaluated MLX array's, on
-/// the device): all of them queued on a non-blocking stream made for the call (the importing
-/// threads live for one import: a thread-local stream would leak with each), then one wait,
-/// and the stream destroyed. Where a run
-/// fails, every run is written again through host pointers (managed memory is
-/// host-writable, only slower), so the buffer always ends up written. Returns whether the
-/// driver wrote it.
+/// the device), on a non-blocking stream made for the call (the importing threads live for
+/// one import: a thread-local stream would leak with each), through a page-locked staging
+/// buffer (`staged_copies`). Where a copy fails, every run is written again through host
+/// pointers (managed memory is host-writable, only slower), so the buffer always ends up
+/// written. Returns whether the driver wrote it.
 ///
 /// # Safety
 /// `dst` must be valid for writes of `len` bytes, every run must lie inside them, and nothing
 /// may read or write that memory until this returns.
 pub unsafe fn write_runs(dst: *mut u8, len: usize, runs: &[(usize, &[u8])]) -> bool {
     debug_assert!(runs.iter().all(|(at, b)| at + b.len() <= len));
+    // SAFETY: the caller's promises, passed on.
     let queued = driver()
         .and_then(|d| Some((d.side?, d)))
-        .and_then(|(side, d)| {
-            let destroy = side.destroy?;
-            let mut stream = std::ptr::null_mut();
-            // SAFETY: an out-pointer to a local, the primary context made current first.
-            let made = unsafe {
-                ensure_context(d);
-                (side.create)(&mut stream, STREAM_NON_BLOCKING) == 0 && !stream.is_null()
-            };
-            if !made {
-                return Some(false);
-            }
-            // SAFETY: every run lies inside `dst`'s `len` bytes (the caller's promise); the
-            // sources are borrowed host memory alive for the call; the wait below completes
-            // every copy before the stream is destroyed and this returns.
-            let failed = runs.iter().any(|(at, bytes)| unsafe {
-                (side.memcpy_async)(
-                    dst.add(*at) as u64,
-                    bytes.as_ptr() as u64,
-                    bytes.len(),
-                    stream,
-                ) != 0
-            });
-            let waited = unsafe { (side.synchronize)(stream) } == 0;
-            // SAFETY: the stream is this call's, idle after the wait.
-            unsafe { destroy(stream) };
-            Some(!failed && waited)
-        });
+        .map(|(side, d)| unsafe { copy_on_own_stream(d, side, dst, runs) });
     if queued == Some(true) {
         DEVICE_WRITES.fetch_add(1, Ordering::Relaxed);
         return true;
@@ -272,6 +254,138 @@ pub unsafe fn write_runs(dst: *mut u8, len: usize, runs: &[(usize, &[u8])]) -> b
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst.add(*at), bytes.len()) };
     }
     false
+}
+
+/// `write_runs`'s driver path: a stream made for the call, the runs copied through a
+/// page-locked staging buffer where one can be had (else straight from their pageable
+/// memory), one wait, the stream destroyed. Whether every copy was made.
+///
+/// # Safety
+/// As `write_runs`.
+unsafe fn copy_on_own_stream(
+    d: &Driver,
+    side: SideStream,
+    dst: *mut u8,
+    runs: &[(usize, &[u8])],
+) -> bool {
+    let Some(destroy) = side.destroy else {
+        return false;
+    };
+    let mut stream = std::ptr::null_mut();
+    // SAFETY: an out-pointer to a local, the primary context made current first.
+    let made = unsafe {
+        ensure_context(d);
+        (side.create)(&mut stream, STREAM_NON_BLOCKING) == 0 && !stream.is_null()
+    };
+    if !made {
+        return false;
+    }
+    let staging = side.alloc_host.and_then(Staging::take);
+    let done = match &staging {
+        // SAFETY: the caller's promises; the buffer is this thread's until given back.
+        Some(buffer) => unsafe { staged_copies(side, stream, buffer, dst, runs) },
+        None => {
+            // SAFETY: every run lies inside `dst` (the caller's promise); the sources are
+            // borrowed host memory alive for the call; the wait completes every copy before
+            // the stream is destroyed.
+            let queued = runs.iter().all(|(at, bytes)| unsafe {
+                (side.memcpy_async)(
+                    dst.add(*at) as u64,
+                    bytes.as_ptr() as u64,
+                    bytes.len(),
+                    stream,
+                ) == 0
+            });
+            // SAFETY: waits for this call's stream.
+            let waited = unsafe { (side.synchronize)(stream) } == 0;
+            queued && waited
+        }
+    };
+    if let Some(buffer) = staging {
+        buffer.give_back();
+    }
+    // SAFETY: the stream is this call's, idle after its last wait (or failed).
+    unsafe { destroy(stream) };
+    done
+}
+
+/// Bytes of one page-locked staging buffer.
+const STAGING_BYTES: usize = 16 << 20;
+
+/// A page-locked host buffer of `STAGING_BYTES`, from a pool the process keeps (one per
+/// importing thread at most; never freed: page-locking memory costs more than copying
+/// through it). Why staging: the driver copies from pageable memory through small buffers of
+/// its own, one copy at a time; a 64K-token hit's 1.4 GB of KV went to an H200 at ~3.5 GB/s
+/// that way.
+struct Staging(usize);
+
+static STAGING_POOL: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
+
+impl Staging {
+    fn take(alloc: CuMemAllocHost) -> Option<Self> {
+        let pooled = STAGING_POOL.lock().ok().and_then(|mut pool| pool.pop());
+        if let Some(p) = pooled {
+            return Some(Self(p));
+        }
+        let mut p = std::ptr::null_mut();
+        // SAFETY: an out-pointer to a local; the caller made the primary context current.
+        let r = unsafe { alloc(&mut p, STAGING_BYTES) };
+        (r == 0 && !p.is_null()).then_some(Self(p as usize))
+    }
+
+    fn give_back(self) {
+        if let Ok(mut pool) = STAGING_POOL.lock() {
+            pool.push(self.0);
+        }
+    }
+}
+
+/// The runs copied through `buffer`: filled with as many runs (or pieces of one) as it
+/// holds, their copies to the device queued and waited for, then filled again. Whether every
+/// copy was made.
+///
+/// # Safety
+/// As `write_runs`; `buffer` is held by this thread alone.
+unsafe fn staged_copies(
+    side: SideStream,
+    stream: *mut libc::c_void,
+    buffer: &Staging,
+    dst: *mut u8,
+    runs: &[(usize, &[u8])],
+) -> bool {
+    let base = buffer.0 as *mut u8;
+    // (offset in dst, offset in the buffer, bytes) of the pieces in the buffer.
+    let mut queued: Vec<(usize, usize, usize)> = Vec::new();
+    let flush = |queued: &mut Vec<(usize, usize, usize)>| -> bool {
+        // SAFETY: each piece lies inside `dst` (the caller's promise) and inside the buffer;
+        // the wait ends the copies before the buffer is refilled.
+        let ok = queued.iter().all(|&(at, from, n)| unsafe {
+            (side.memcpy_async)(dst.add(at) as u64, base.add(from) as u64, n, stream) == 0
+        });
+        queued.clear();
+        // SAFETY: waits for this call's stream.
+        ok && unsafe { (side.synchronize)(stream) } == 0
+    };
+    let mut fill = 0;
+    for (at, bytes) in runs {
+        let mut done = 0;
+        while done < bytes.len() {
+            if fill == STAGING_BYTES {
+                if !flush(&mut queued) {
+                    return false;
+                }
+                fill = 0;
+            }
+            let n = (bytes.len() - done).min(STAGING_BYTES - fill);
+            // SAFETY: `fill + n <= STAGING_BYTES`; the source is borrowed, the buffer idle
+            // since the last wait.
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr().add(done), base.add(fill), n) };
+            queued.push((at + done, fill, n));
+            fill += n;
+            done += n;
+        }
+    }
+    flush(&mut queued)
 }
 
 /// This thread's non-blocking stream, made at its first use (None if it cannot be).
