@@ -155,9 +155,10 @@ impl PrefixCache {
         self.stats
             .blocks_fetched
             .fetch_add(blocks.len() as u64, Ordering::Relaxed);
-        tracing::debug!(
+        tracing::info!(
             blocks = blocks.len(),
-            ms = took.as_millis() as u64,
+            bytes = fetched_bytes,
+            ms = took.as_secs_f64() * 1e3,
             "prefix fetched"
         );
         let whole = held - have;
