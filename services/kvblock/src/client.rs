@@ -16,11 +16,21 @@ use crate::block::{self, BlockKey};
 /// Largest message (one block) the service accepts or sends, and so the client too.
 pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
 
-/// Files read at once by one fetch: one per core, 4 to 8. Each read copies a block from the
-/// page cache into fresh memory and checksums it on one core: on the 16 cores of the lent
-/// H100 machine, 4 at once read 3.0 GB/s and 8 at once 3.2-5.5 GB/s (one run each).
+/// Files read at once by one fetch: one per core, 4 to 16 (`STRATA_FILE_READS` sets it, for
+/// measuring). Each read copies a block from the page cache into fresh memory and checksums
+/// it on one core: on the 16 cores of the lent H100 machine, 4 at once read 3.0 GB/s and 8 at
+/// once 3.2-5.5 GB/s (one run each).
 fn parallel_file_reads() -> usize {
-    std::thread::available_parallelism().map_or(4, |n| n.get().clamp(4, 8))
+    static READS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *READS.get_or_init(|| {
+        std::env::var("STRATA_FILE_READS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&n| n > 0)
+            .unwrap_or_else(|| {
+                std::thread::available_parallelism().map_or(4, |n| n.get().clamp(4, 16))
+            })
+    })
 }
 
 #[derive(Debug, thiserror::Error)]

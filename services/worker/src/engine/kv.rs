@@ -1108,6 +1108,10 @@ impl KvCache {
             .unwrap_or(1)
             .min(l.num_layers);
         if crate::device_copy::uses_driver() && device_import_enabled() {
+            // One thread a buffer (K or V of a layer), up to one a core.
+            let threads = std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .min(2 * l.num_layers);
             self.layers = import_on_device(l, parts, capacity, threads)?
                 .into_iter()
                 .map(Some)
