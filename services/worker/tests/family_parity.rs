@@ -442,6 +442,49 @@ fn gpt_oss_with_mxfp4_experts_matches_mlx_lm_in_both_layouts() {
     check_family_at("gpt_oss_mxfp4", &family_dir("gpt_oss_mxfp4_mlx"), "gpt_oss");
 }
 
+/// The same MXFP4 experts kept packed, as a GPU or Metal keeps them (MLX's `gather_qmm` in
+/// mxfp4 mode, both layouts), here on the CPU in f32: the reference's logits and greedy tokens.
+#[test]
+fn gpt_oss_mxfp4_experts_kept_packed_match_mlx_lm() {
+    let policy = DtypePolicy {
+        quantized_weights: true,
+        ..DtypePolicy::F32
+    };
+    let (_, cases) = cases("gpt_oss_mxfp4");
+    for folder in ["gpt_oss_mxfp4", "gpt_oss_mxfp4_mlx"] {
+        let m = loader::open(&family_dir(folder), policy, BLOCK).unwrap();
+        for case in &cases {
+            let (tokens, logits) = greedy(&m, &case.input, case.greedy.len());
+            let (worst, tolerance) = difference(&logits, &case.logits);
+            eprintln!("{folder} packed: max |Δlogit| {worst:.3e} (tolerance {tolerance:.2e})");
+            assert!(worst <= tolerance, "{folder}: logits differ by {worst}");
+            assert_eq!(tokens, case.greedy, "{folder}: greedy tokens");
+        }
+    }
+    // A chunk of 4,200 tokens (8,400 token-expert pairs): the codes are expanded in MXFP4
+    // mode for the products (`EXPAND_FROM_ROWS`), the expanded model's arithmetic.
+    let long: Vec<u32> = cases[0].input.iter().copied().cycle().take(4200).collect();
+    let one_pass = |m: &LoadedModel| {
+        let mut cache = m.model.new_cache(64);
+        let l = m
+            .model
+            .forward(&mut [SeqChunk {
+                tokens: &long,
+                cache: &mut cache,
+            }])
+            .unwrap();
+        l.eval().unwrap();
+        l.as_slice::<f32>().to_vec()
+    };
+    let packed = loader::open(&family_dir("gpt_oss_mxfp4"), policy, BLOCK).unwrap();
+    let expanded = loader::open(&family_dir("gpt_oss_mxfp4"), DtypePolicy::F32, BLOCK).unwrap();
+    let (worst, tolerance) = difference(&one_pass(&packed), &one_pass(&expanded));
+    assert!(
+        worst <= tolerance,
+        "expanded MXFP4 experts: logits differ by {worst}"
+    );
+}
+
 /// The same on MLX's kernels (attention with sinks through `fast::scaled_dot_product_attention`
 /// as on a GPU or Metal) and with the experts' products run as a GPU runs them.
 #[test]

@@ -312,14 +312,15 @@ fn open_folder(dir: &Path, policy: DtypePolicy) -> Result<OpenedFolder> {
     if !floats.is_empty() && policy.quantized_weights {
         tracing::warn!(
             modes = ?floats,
-            "these quantisation modes are expanded to dense weights at load on this device \
-             (packed products are bound for affine only): more memory than the file"
+            "matrices in these quantisation modes are expanded to dense weights at load on this \
+             device (mlx-rs binds packed products for affine codes only; experts stay packed): \
+             more memory than the file"
         );
     }
-    if tensors.keys().any(|name| name.ends_with("_blocks")) {
+    if !policy.quantized_weights && tensors.keys().any(|name| name.ends_with("_blocks")) {
         tracing::warn!(
-            "OpenAI's MXFP4 experts (`*_blocks`) are expanded to dense weights at load: more \
-             memory than the file"
+            "OpenAI's MXFP4 experts (`*_blocks`) are expanded to dense weights at load on this \
+             device (it computes in f32): more memory than the file"
         );
     }
     let store = TensorStore::new(tensors, quant);

@@ -420,6 +420,63 @@ fn packed_codes(
     )
 }
 
+/// MLX's `gather_qmm` in any mode (mlx-rs binds it for affine codes only): `x` through each
+/// row's `rhs_indices` matrices of packed `weight` (`[experts, out, in packed]`, transposed as
+/// mlx-lm's `QuantizedSwitchLinear` multiplies), `biases` for affine codes only.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gather_qmm_mode(
+    x: &Array,
+    weight: &Array,
+    scales: &Array,
+    biases: Option<&Array>,
+    rhs_indices: &Array,
+    group_size: i32,
+    bits: i32,
+    mode: QuantMode,
+    sorted: bool,
+) -> Result<Array> {
+    let mode_name = std::ffi::CString::new(mode.name())
+        .map_err(|e| EngineError::Mlx(format!("quantization mode: {e}")))?;
+    let stream = mlx_rs::Stream::thread_local_or_default();
+    let optional = |value| mlx_sys::mlx_optional_int_ {
+        value,
+        has_value: true,
+    };
+    // SAFETY: every handle passed is alive for the call (borrowed arrays and stream, empty
+    // arrays made here and freed after); `res` receives a new array that `from_ptr` owns, on
+    // success as on failure.
+    unsafe {
+        let mut res = mlx_sys::mlx_array_new();
+        let none = mlx_sys::mlx_array_new();
+        let no_biases = mlx_sys::mlx_array_new();
+        let status = mlx_sys::mlx_gather_qmm(
+            &mut res,
+            x.as_ptr(),
+            weight.as_ptr(),
+            scales.as_ptr(),
+            biases.map_or(no_biases, |b| b.as_ptr()),
+            none,
+            rhs_indices.as_ptr(),
+            true,
+            optional(group_size),
+            optional(bits),
+            mode_name.as_ptr(),
+            sorted,
+            stream.as_ptr(),
+        );
+        mlx_sys::mlx_array_free(none);
+        mlx_sys::mlx_array_free(no_biases);
+        let out = Array::from_ptr(res);
+        if status != 0 {
+            return Err(EngineError::Mlx(format!(
+                "MLX's gather_qmm failed on {} codes",
+                mode.name()
+            )));
+        }
+        Ok(out)
+    }
+}
+
 /// MLX's `dequantize` in a float mode (mlx-rs binds only affine): scales without biases.
 pub(crate) fn dequantize_mode(
     weight: &Array,

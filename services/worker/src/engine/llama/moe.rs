@@ -13,7 +13,7 @@ use mlx_rs::ops::{
 
 use super::super::config::{ExpertActivation, Experts};
 use super::super::policy::DtypePolicy;
-use super::super::weights::{Linear, QuantMode, TensorStore, dequantize_mode};
+use super::super::weights::{Linear, QuantMode, TensorStore, dequantize_mode, gather_qmm_mode};
 use super::super::{EngineError, Result};
 
 /// (token, expert) pairs from which they are sorted by expert before the products.
@@ -49,13 +49,15 @@ struct SharedExpert {
 enum ExpertWeights {
     /// `[experts, in, out]`: transposed for `gather_mm` (`x · W`) once at load.
     Dense(Array),
-    /// mlx-lm's affine codes `[experts, out, in · bits / 32]` with their scales and biases.
+    /// MLX's codes `[experts, out, in · bits / 32]` with their scales, and biases in affine
+    /// mode (mlx-lm's affine experts; gpt-oss's MXFP4 ones).
     Packed {
         weight: Array,
         scales: Array,
-        biases: Array,
+        biases: Option<Array>,
         group_size: i32,
         bits: i32,
+        mode: QuantMode,
     },
 }
 
@@ -80,28 +82,39 @@ impl ExpertWeights {
                 biases,
                 group_size,
                 bits,
+                mode,
             } => {
+                let (g, b) = (*group_size, *bits);
                 if sorted && x.shape()[0] >= EXPAND_FROM_ROWS {
                     // Many sorted rows: the codes expanded once and one float product per
                     // expert. On an H100 at 4,096 tokens (32K pairs) of Qwen3.6-35B-A3B's
                     // experts this took 1.7 ms a projection against 12.3 ms for MLX 0.32's
                     // gather_qmm; level at 4K pairs (docs/BENCHMARKS.md,
                     // scripts/gpu_moe_kernels.py).
-                    let dense = dequantize(weight, scales, biases, *group_size, *bits)?;
+                    let dense = match (biases, mode) {
+                        (Some(biases), QuantMode::Affine) => {
+                            dequantize(weight, scales, biases, g, b)?
+                        }
+                        _ => dequantize_mode(weight, scales, g, b, *mode)?.as_dtype(x.dtype())?,
+                    };
                     gather_mm(x, dense.swap_axes(-1, -2)?, None, chosen, true)?
                 } else {
-                    gather_qmm(
-                        x,
-                        weight,
-                        scales,
-                        biases,
-                        None,
-                        chosen,
-                        true,
-                        *group_size,
-                        *bits,
-                        sorted,
-                    )?
+                    match (biases, mode) {
+                        (Some(biases), QuantMode::Affine) => {
+                            gather_qmm(x, weight, scales, biases, None, chosen, true, g, b, sorted)?
+                        }
+                        _ => gather_qmm_mode(
+                            x,
+                            weight,
+                            scales,
+                            biases.as_ref(),
+                            chosen,
+                            g,
+                            b,
+                            *mode,
+                            sorted,
+                        )?,
+                    }
                 }
             }
         })
@@ -130,10 +143,42 @@ fn fused_expert_projection(store: &TensorStore, prefix: &str, part: &str) -> Res
     })
 }
 
+/// Experts in a float mode (MXFP4 and kin): kept packed where the policy keeps weights
+/// packed (Metal, CUDA: MLX's `gather_qmm` in that mode), else expanded once at load (a CPU
+/// computes in f32).
+fn float_mode_experts(
+    weight: Array,
+    scales: Array,
+    group_size: i32,
+    bits: i32,
+    mode: QuantMode,
+    policy: DtypePolicy,
+) -> Result<ExpertWeights> {
+    if policy.quantized_weights {
+        for a in [&weight, &scales] {
+            a.eval()?;
+        }
+        return Ok(ExpertWeights::Packed {
+            weight,
+            scales,
+            biases: None,
+            group_size,
+            bits,
+            mode,
+        });
+    }
+    let dense = dequantize_mode(&weight, &scales, group_size, bits, mode)?
+        .as_dtype(policy.compute)?
+        .transpose_axes(&[0, 2, 1])?
+        .contiguous()?;
+    dense.eval()?;
+    Ok(ExpertWeights::Dense(dense))
+}
+
 /// OpenAI's MXFP4 experts (`<name>_blocks`: `[experts, rows, in / 32, 16]` bytes of 4-bit
-/// floats, `<name>_scales`: e8m0 bytes per 32), expanded to `[experts, rows, in]` floats: the
-/// codes are MLX's mxfp4 packing byte for byte, read as its uint32 words.
-fn openai_mxfp4(store: &TensorStore, name: &str) -> Result<Option<Array>> {
+/// floats, `<name>_scales`: e8m0 bytes per 32) as MLX's mxfp4 codes `[experts, rows, in / 8]`
+/// and scales: the same packing byte for byte, read as uint32 words.
+fn openai_mxfp4(store: &TensorStore, name: &str) -> Result<Option<(Array, Array)>> {
     let Some(blocks) = store.get(&format!("{name}_blocks")) else {
         return Ok(None);
     };
@@ -148,13 +193,7 @@ fn openai_mxfp4(store: &TensorStore, name: &str) -> Result<Option<Array>> {
         .view::<u32>()
         .map_err(|e| EngineError::Config(format!("{name}_blocks as uint32 words: {e}")))?
         .reshape(&[e, rows, groups * 4])?;
-    Ok(Some(dequantize_mode(
-        &words,
-        scales,
-        32,
-        4,
-        QuantMode::Mxfp4,
-    )?))
+    Ok(Some((words, scales.clone())))
 }
 
 /// gpt-oss's experts as Hugging Face publishes them: unquantised (transformers'
@@ -169,71 +208,83 @@ fn gpt_oss_experts(
     policy: DtypePolicy,
 ) -> Result<Option<([ExpertWeights; 3], [Array; 3])>> {
     let experts = format!("{prefix}.experts");
-    let (gate_up, down) = match (
+    let bad = |name: &str, shape: &[i32], want: &str| {
+        EngineError::Config(format!(
+            "{experts}.{name}: shape {shape:?} is not gpt-oss's {want}"
+        ))
+    };
+    // Gate and up interleaved along `axis` of `a`: (gate, up), each contiguous.
+    let deinterleave = |a: &Array, axis: usize, name: &str| -> Result<(Array, Array)> {
+        let shape = a.shape().to_vec();
+        if shape.len() <= axis || shape[axis] % 2 != 0 {
+            return Err(bad(name, &shape, "gate and up interleaved"));
+        }
+        let mut pairs = shape.clone();
+        pairs[axis] /= 2;
+        pairs.insert(axis + 1, 2);
+        let pairs = a.reshape(&pairs)?;
+        let half = |i: i32| -> Result<Array> {
+            Ok(pairs
+                .take_axis(Array::from_int(i), axis as i32 + 1)?
+                .contiguous()?)
+        };
+        Ok((half(0)?, half(1)?))
+    };
+    let weights = match (
         openai_mxfp4(store, &format!("{experts}.gate_up_proj"))?,
         openai_mxfp4(store, &format!("{experts}.down_proj"))?,
     ) {
-        // `[experts, out, in]` -> `[experts, in, out]`.
-        (Some(gate_up), Some(down)) => (
-            gate_up.transpose_axes(&[0, 2, 1])?,
-            down.transpose_axes(&[0, 2, 1])?,
-        ),
-        (None, None) => match store.get(&format!("{experts}.gate_up_proj")) {
-            Some(gate_up) => (
-                gate_up.clone(),
-                store.require(&format!("{experts}.down_proj"))?.clone(),
-            ),
-            None => return Ok(None),
-        },
+        // MLX's mxfp4 codes, `[experts, out, in / 8]`, gate and up rows interleaved.
+        (Some((gate_up, gate_up_scales)), Some((down, down_scales))) => {
+            let (gate, up) = deinterleave(&gate_up, 1, "gate_up_proj_blocks")?;
+            let (gate_scales, up_scales) = deinterleave(&gate_up_scales, 1, "gate_up_proj_scales")?;
+            let packed =
+                |w: Array, s: Array| float_mode_experts(w, s, 32, 4, QuantMode::Mxfp4, policy);
+            [
+                packed(gate, gate_scales)?,
+                packed(up, up_scales)?,
+                packed(down, down_scales)?,
+            ]
+        }
+        (None, None) => {
+            let Some(gate_up) = store.get(&format!("{experts}.gate_up_proj")) else {
+                return Ok(None);
+            };
+            // transformers' layout: `[experts, in, out]` already, gate and up columns
+            // interleaved.
+            if gate_up.ndim() != 3 {
+                return Err(bad(
+                    "gate_up_proj",
+                    gate_up.shape(),
+                    "[experts, hidden, 2 * width]",
+                ));
+            }
+            let (gate, up) = deinterleave(gate_up, 2, "gate_up_proj")?;
+            let down = store.require(&format!("{experts}.down_proj"))?.clone();
+            let dense = |a: Array| -> Result<ExpertWeights> {
+                let a = a.as_dtype(policy.compute)?.contiguous()?;
+                a.eval()?;
+                Ok(ExpertWeights::Dense(a))
+            };
+            [dense(gate)?, dense(up)?, dense(down)?]
+        }
         _ => {
             return Err(EngineError::Config(format!(
                 "{experts}: gate_up_proj and down_proj are not both in MXFP4 blocks"
             )));
         }
     };
-    let gate_up = &gate_up;
-    let bad = |name: &str, shape: &[i32]| {
-        EngineError::Config(format!(
-            "{prefix}.experts.{name}: shape {shape:?} is not gpt-oss's [experts, hidden, 2 * width]"
-        ))
-    };
-    let shape = gate_up.shape();
-    let [e, hidden, both] = shape[..] else {
-        return Err(bad("gate_up_proj", shape));
-    };
-    if both % 2 != 0 {
-        return Err(bad("gate_up_proj", shape));
-    }
-    let width = both / 2;
-    let pairs = gate_up.reshape(&[e, hidden, width, 2])?;
-    let bias = store.require(&format!("{prefix}.experts.gate_up_proj_bias"))?;
-    let bias_pairs = bias
-        .reshape(&[e, width, 2])
-        .map_err(|_| bad("gate_up_proj_bias", bias.shape()))?;
-    let dense = |a: Array| -> Result<ExpertWeights> {
-        let a = a.as_dtype(policy.compute)?.contiguous()?;
-        a.eval()?;
-        Ok(ExpertWeights::Dense(a))
-    };
+    let bias = store.require(&format!("{experts}.gate_up_proj_bias"))?;
+    let (gate_bias, up_bias) = deinterleave(bias, 1, "gate_up_proj_bias")?;
+    let down_bias = store.require(&format!("{experts}.down_proj_bias"))?.clone();
     let vector = |a: Array| -> Result<Array> {
         let a = a.as_dtype(policy.compute)?.contiguous()?;
         a.eval()?;
         Ok(a)
     };
-    let down_bias = store
-        .require(&format!("{prefix}.experts.down_proj_bias"))?
-        .clone();
     Ok(Some((
-        [
-            dense(pairs.try_index((.., .., .., 0))?)?,
-            dense(pairs.try_index((.., .., .., 1))?)?,
-            dense(down)?,
-        ],
-        [
-            vector(bias_pairs.try_index((.., .., 0))?)?,
-            vector(bias_pairs.try_index((.., .., 1))?)?,
-            vector(down_bias)?,
-        ],
+        weights,
+        [vector(gate_bias)?, vector(up_bias)?, vector(down_bias)?],
     )))
 }
 
@@ -273,14 +324,14 @@ impl MoeMlp {
                 };
                 let weight = store.require(&format!("{stacked}.weight"))?.clone();
                 if q.mode != QuantMode::Affine {
-                    // The float modes are expanded at load, as dense matrices in them are
-                    // (mlx-rs binds gather_qmm for affine codes only).
-                    let dense = dequantize_mode(&weight, scales, q.group_size, bits, q.mode)?
-                        .as_dtype(policy.compute)?
-                        .transpose_axes(&[0, 2, 1])?
-                        .contiguous()?;
-                    dense.eval()?;
-                    return Ok(ExpertWeights::Dense(dense));
+                    return float_mode_experts(
+                        weight,
+                        scales.clone(),
+                        q.group_size,
+                        bits,
+                        q.mode,
+                        policy,
+                    );
                 }
                 let biases = store.require(&format!("{stacked}.biases"))?.clone();
                 if policy.quantized_weights {
@@ -290,9 +341,10 @@ impl MoeMlp {
                     return Ok(ExpertWeights::Packed {
                         weight,
                         scales: scales.clone(),
-                        biases,
+                        biases: Some(biases),
                         group_size: q.group_size,
                         bits,
+                        mode: QuantMode::Affine,
                     });
                 }
                 // A CPU computes in f32: the experts' codes expanded once, at load.
