@@ -114,6 +114,20 @@ fn greedy(m: &LoadedModel, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<f32>) {
     (out, first)
 }
 
+/// The last position's logits of one pass over `tokens` from an empty cache.
+fn one_pass(m: &LoadedModel, tokens: &[u32]) -> Vec<f32> {
+    let mut cache = m.model.new_cache(64);
+    let l = m
+        .model
+        .forward(&mut [SeqChunk {
+            tokens,
+            cache: &mut cache,
+        }])
+        .unwrap();
+    l.eval().unwrap();
+    l.as_slice::<f32>().to_vec()
+}
+
 fn generate(
     m: &LoadedModel,
     req: &GenerateRequest,
@@ -369,19 +383,7 @@ fn packed_experts_kept_packed_compute_what_the_dequantised_ones_do() {
     // for the products (`EXPAND_FROM_ROWS`), the same arithmetic as the dense model's.
     let long: Vec<u32> = cases[0].input.iter().copied().cycle().take(4200).collect();
     let dense = loader::open(&family_dir("qwen3_moe_q4"), DtypePolicy::F32, BLOCK).unwrap();
-    let one_pass = |m: &LoadedModel| {
-        let mut cache = m.model.new_cache(64);
-        let l = m
-            .model
-            .forward(&mut [SeqChunk {
-                tokens: &long,
-                cache: &mut cache,
-            }])
-            .unwrap();
-        l.eval().unwrap();
-        l.as_slice::<f32>().to_vec()
-    };
-    let (packed_logits, dense_logits) = (one_pass(&m), one_pass(&dense));
+    let (packed_logits, dense_logits) = (one_pass(&m, &long), one_pass(&dense, &long));
     let (worst, tolerance) = difference(&packed_logits, &dense_logits);
     assert!(
         worst <= tolerance,
@@ -464,21 +466,9 @@ fn gpt_oss_mxfp4_experts_kept_packed_match_mlx_lm() {
     // A chunk of 4,200 tokens (8,400 token-expert pairs): the codes are expanded in MXFP4
     // mode for the products (`EXPAND_FROM_ROWS`), the expanded model's arithmetic.
     let long: Vec<u32> = cases[0].input.iter().copied().cycle().take(4200).collect();
-    let one_pass = |m: &LoadedModel| {
-        let mut cache = m.model.new_cache(64);
-        let l = m
-            .model
-            .forward(&mut [SeqChunk {
-                tokens: &long,
-                cache: &mut cache,
-            }])
-            .unwrap();
-        l.eval().unwrap();
-        l.as_slice::<f32>().to_vec()
-    };
     let packed = loader::open(&family_dir("gpt_oss_mxfp4"), policy, BLOCK).unwrap();
     let expanded = loader::open(&family_dir("gpt_oss_mxfp4"), DtypePolicy::F32, BLOCK).unwrap();
-    let (worst, tolerance) = difference(&one_pass(&packed), &one_pass(&expanded));
+    let (worst, tolerance) = difference(&one_pass(&packed, &long), &one_pass(&expanded, &long));
     assert!(
         worst <= tolerance,
         "expanded MXFP4 experts: logits differ by {worst}"

@@ -1303,19 +1303,8 @@ fn import_layers(
     for layer in layers {
         let mut pair = [None, None];
         for (kv, slot) in pair.iter_mut().enumerate() {
-            // Each part's [heads, tokens, dim] goes at its token offset of [heads, capacity, dim].
-            let mut at = 0;
-            for (bytes, tokens) in parts {
-                // Rows the part holds (checked by `import_all`: a whole number, >= tokens).
-                let held = bytes.len() / (2 * l.num_layers * l.kv_heads * row);
-                let per_buf = held * l.kv_heads * row;
-                let src = &bytes[(2 * layer + kv) * per_buf..(2 * layer + kv + 1) * per_buf];
-                for h in 0..l.kv_heads {
-                    let to = (h * capacity + at) * row;
-                    let from = h * held * row;
-                    buf[to..to + tokens * row].copy_from_slice(&src[from..from + tokens * row]);
-                }
-                at += tokens;
+            for (to, src) in part_runs(l, parts, capacity, layer, kv) {
+                buf[to..to + src.len()].copy_from_slice(src);
             }
             *slot = Some(array_from_bytes(&buf, &shape, l.dtype)?);
         }
@@ -1328,6 +1317,33 @@ fn import_layers(
         }
     }
     Ok(out)
+}
+
+/// Where each part's rows of layer `layer`'s keys (`kv` 0) or values (1) go in a buffer of
+/// `[heads, capacity, dim]`: (byte offset, bytes), one run per part and head. A part's
+/// `[heads, tokens, dim]` goes at its token offset; it holds `held` rows of which the leading
+/// `tokens` are used (a whole number of rows, at least `tokens`: checked by `import_all`).
+fn part_runs<'a>(
+    l: KvLayout,
+    parts: &[(&'a [u8], usize)],
+    capacity: usize,
+    layer: usize,
+    kv: usize,
+) -> Vec<(usize, &'a [u8])> {
+    let row = l.head_dim * dtype_bytes(l.dtype);
+    let mut runs = Vec::with_capacity(parts.len() * l.kv_heads);
+    let mut at = 0;
+    for &(bytes, tokens) in parts {
+        let held = bytes.len() / (2 * l.num_layers * l.kv_heads * row);
+        let per_buf = held * l.kv_heads * row;
+        let src = &bytes[(2 * layer + kv) * per_buf..(2 * layer + kv + 1) * per_buf];
+        for h in 0..l.kv_heads {
+            let from = h * held * row;
+            runs.push(((h * capacity + at) * row, &src[from..from + tokens * row]));
+        }
+        at += tokens;
+    }
+    runs
 }
 
 /// Whether an import on CUDA writes the rows straight into device buffers
@@ -1370,21 +1386,7 @@ fn import_on_device(
     }
     // Buffer i is layer i / 2's keys (even) or values (odd).
     let write = |i: usize, dst: usize| {
-        let (layer, kv) = (i / 2, i % 2);
-        let mut runs = Vec::with_capacity(parts.len() * l.kv_heads);
-        let mut at = 0;
-        for (bytes, tokens) in parts {
-            // Each part's [heads, tokens, dim] goes at its token offset of [heads, capacity,
-            // dim] (rows it holds: checked by `import_all`).
-            let held = bytes.len() / (2 * l.num_layers * l.kv_heads * row);
-            let per_buf = held * l.kv_heads * row;
-            let src = &bytes[(2 * layer + kv) * per_buf..(2 * layer + kv + 1) * per_buf];
-            for h in 0..l.kv_heads {
-                let from = h * held * row;
-                runs.push(((h * capacity + at) * row, &src[from..from + tokens * row]));
-            }
-            at += tokens;
-        }
+        let runs = part_runs(l, parts, capacity, i / 2, i % 2);
         // SAFETY: `dst` is buffer i's `len` bytes, evaluated above and not read or written by
         // anyone else until this function returns it; every run lies inside it (offsets
         // below `kv_heads * capacity` rows, `at + tokens <= capacity`).

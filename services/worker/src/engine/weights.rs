@@ -420,6 +420,48 @@ fn packed_codes(
     )
 }
 
+/// Calls an MLX C operation in a quantisation mode that mlx-rs does not bind: `call` gets
+/// the result slot, an empty array for each absent input, the mode's name, the int options'
+/// form and the stream, and returns MLX's status; `what` names it in the error.
+fn mlx_mode_op(
+    mode: QuantMode,
+    what: &str,
+    call: impl FnOnce(
+        *mut mlx_sys::mlx_array,
+        mlx_sys::mlx_array,
+        *const std::ffi::c_char,
+        mlx_sys::mlx_stream,
+    ) -> i32,
+) -> Result<Array> {
+    let name = std::ffi::CString::new(mode.name())
+        .map_err(|e| EngineError::Mlx(format!("quantization mode: {e}")))?;
+    let stream = mlx_rs::Stream::thread_local_or_default();
+    // SAFETY: `res` and `empty` are made here and live through the call (the borrowed
+    // arrays `call` captures live longer); `res` then holds a new array that `from_ptr` owns
+    // and frees on success as on failure; `empty` is freed here.
+    unsafe {
+        let mut res = mlx_sys::mlx_array_new();
+        let empty = mlx_sys::mlx_array_new();
+        let status = call(&mut res, empty, name.as_ptr(), stream.as_ptr());
+        mlx_sys::mlx_array_free(empty);
+        let out = Array::from_ptr(res);
+        if status != 0 {
+            return Err(EngineError::Mlx(format!(
+                "MLX's {what} failed on {} codes",
+                mode.name()
+            )));
+        }
+        Ok(out)
+    }
+}
+
+fn some_int(value: i32) -> mlx_sys::mlx_optional_int_ {
+    mlx_sys::mlx_optional_int_ {
+        value,
+        has_value: true,
+    }
+}
+
 /// MLX's `gather_qmm` in any mode (mlx-rs binds it for affine codes only): `x` through each
 /// row's `rhs_indices` matrices of packed `weight` (`[experts, out, in packed]`, transposed as
 /// mlx-lm's `QuantizedSwitchLinear` multiplies), `biases` for affine codes only.
@@ -435,46 +477,26 @@ pub(crate) fn gather_qmm_mode(
     mode: QuantMode,
     sorted: bool,
 ) -> Result<Array> {
-    let mode_name = std::ffi::CString::new(mode.name())
-        .map_err(|e| EngineError::Mlx(format!("quantization mode: {e}")))?;
-    let stream = mlx_rs::Stream::thread_local_or_default();
-    let optional = |value| mlx_sys::mlx_optional_int_ {
-        value,
-        has_value: true,
-    };
-    // SAFETY: every handle passed is alive for the call (borrowed arrays and stream, empty
-    // arrays made here and freed after); `res` receives a new array that `from_ptr` owns, on
-    // success as on failure.
-    unsafe {
-        let mut res = mlx_sys::mlx_array_new();
-        let none = mlx_sys::mlx_array_new();
-        let no_biases = mlx_sys::mlx_array_new();
-        let status = mlx_sys::mlx_gather_qmm(
-            &mut res,
-            x.as_ptr(),
-            weight.as_ptr(),
-            scales.as_ptr(),
-            biases.map_or(no_biases, |b| b.as_ptr()),
-            none,
-            rhs_indices.as_ptr(),
-            true,
-            optional(group_size),
-            optional(bits),
-            mode_name.as_ptr(),
-            sorted,
-            stream.as_ptr(),
-        );
-        mlx_sys::mlx_array_free(none);
-        mlx_sys::mlx_array_free(no_biases);
-        let out = Array::from_ptr(res);
-        if status != 0 {
-            return Err(EngineError::Mlx(format!(
-                "MLX's gather_qmm failed on {} codes",
-                mode.name()
-            )));
+    mlx_mode_op(mode, "gather_qmm", |res, empty, mode, stream| {
+        // SAFETY: every handle is alive for the call (see `mlx_mode_op`).
+        unsafe {
+            mlx_sys::mlx_gather_qmm(
+                res,
+                x.as_ptr(),
+                weight.as_ptr(),
+                scales.as_ptr(),
+                biases.map_or(empty, |b| b.as_ptr()),
+                empty,
+                rhs_indices.as_ptr(),
+                true,
+                some_int(group_size),
+                some_int(bits),
+                mode,
+                sorted,
+                stream,
+            )
         }
-        Ok(out)
-    }
+    })
 }
 
 /// MLX's `dequantize` in a float mode (mlx-rs binds only affine): scales without biases.
@@ -485,46 +507,26 @@ pub(crate) fn dequantize_mode(
     bits: i32,
     mode: QuantMode,
 ) -> Result<Array> {
-    let mode = std::ffi::CString::new(mode.name())
-        .map_err(|e| EngineError::Load(format!("quantization mode: {e}")))?;
-    let stream = mlx_rs::Stream::thread_local_or_default();
-    let optional = |value| mlx_sys::mlx_optional_int_ {
-        value,
-        has_value: true,
-    };
-    // SAFETY: every handle passed is alive for the call (borrowed arrays and stream, empty
-    // arrays made here); `res` receives a new array that `from_ptr` takes ownership of, and is
-    // freed by that Array's drop on success as on failure.
-    unsafe {
-        let mut res = mlx_sys::mlx_array_new();
-        let none = mlx_sys::mlx_array_new();
-        let no_scale = mlx_sys::mlx_array_new();
-        let status = mlx_sys::mlx_dequantize(
-            &mut res,
-            weight.as_ptr(),
-            scales.as_ptr(),
-            none,
-            optional(group_size),
-            optional(bits),
-            mode.as_ptr(),
-            no_scale,
-            mlx_sys::mlx_optional_dtype_ {
-                value: mlx_sys::mlx_dtype__MLX_FLOAT32,
-                has_value: false,
-            },
-            stream.as_ptr(),
-        );
-        mlx_sys::mlx_array_free(none);
-        mlx_sys::mlx_array_free(no_scale);
-        let out = Array::from_ptr(res);
-        if status != 0 {
-            return Err(EngineError::Load(format!(
-                "MLX could not dequantise {} weights",
-                mode.to_string_lossy()
-            )));
+    mlx_mode_op(mode, "dequantize", |res, empty, mode, stream| {
+        // SAFETY: every handle is alive for the call (see `mlx_mode_op`).
+        unsafe {
+            mlx_sys::mlx_dequantize(
+                res,
+                weight.as_ptr(),
+                scales.as_ptr(),
+                empty,
+                some_int(group_size),
+                some_int(bits),
+                mode,
+                empty,
+                mlx_sys::mlx_optional_dtype_ {
+                    value: mlx_sys::mlx_dtype__MLX_FLOAT32,
+                    has_value: false,
+                },
+                stream,
+            )
         }
-        Ok(out)
-    }
+    })
 }
 
 #[derive(Clone)]
