@@ -120,6 +120,8 @@ pub struct PrefillPhases {
     pub export: Duration,
     pub store: Duration,
     pub blocks: usize,
+    /// Bytes of KV copied into bigger buffers during the passes.
+    pub grown_bytes: usize,
 }
 
 #[derive(Debug, Clone)]

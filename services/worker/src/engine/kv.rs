@@ -199,6 +199,9 @@ pub struct KvCache {
     /// Snapshots are taken at multiples of this (0: none) and at `snapshot_at`.
     snapshot_every: usize,
     snapshot_at: Vec<usize>,
+    /// Bytes of held rows copied into bigger buffers since `take_grown_bytes` (a growth
+    /// copies the whole prefix: the prefill phases line says when a pass paid for one).
+    grown_bytes: usize,
 }
 
 impl KvCache {
@@ -217,6 +220,7 @@ impl KvCache {
             snapshots: Default::default(),
             snapshot_every: 0,
             snapshot_at: Vec::new(),
+            grown_bytes: 0,
         }
     }
 
@@ -406,6 +410,13 @@ impl KvCache {
         match slot {
             Some(kv) if (kv.keys.shape()[2] as usize) >= needed => {}
             _ => {
+                if slot.is_some() {
+                    self.grown_bytes += 2
+                        * start as usize
+                        * layout.kv_heads
+                        * layout.head_dim
+                        * dtype_bytes(layout.dtype);
+                }
                 let fresh = |old: Option<&Array>| -> Result<Array> {
                     let shape = [
                         1,
@@ -450,6 +461,11 @@ impl KvCache {
         ))
     }
 
+    /// Bytes of held rows copied into bigger buffers since the last call.
+    pub fn take_grown_bytes(&mut self) -> usize {
+        std::mem::take(&mut self.grown_bytes)
+    }
+
     /// Grows every layer's buffers to hold `t` more tokens and materialises them. Buffers
     /// that already have room are left as they are.
     fn reserve(&mut self, t: usize) -> Result<()> {
@@ -462,6 +478,13 @@ impl KvCache {
             let held = (len - first) as i32;
             if matches!(slot, Some(kv) if kv.keys.shape()[2] as usize >= needed) {
                 continue;
+            }
+            if slot.is_some() {
+                self.grown_bytes += 2
+                    * held as usize
+                    * layout.kv_heads
+                    * layout.head_dim
+                    * dtype_bytes(layout.dtype);
             }
             let fresh = |old: Option<&Array>| -> Result<Array> {
                 let shape = |tokens: usize| {
@@ -1570,6 +1593,29 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A growth of the buffers is counted in bytes of the rows it copied, once, and only
+    /// when rows were held (the first buffers are not a growth).
+    #[test]
+    fn a_growth_counts_the_rows_it_copies() {
+        let layout = small_layout(Dtype::Float32);
+        let mut cache = KvCache::new(layout, 4);
+        let rows = |t: i32| Array::zeros::<f32>(&[1, 2, t, 4]).unwrap();
+        let append = |cache: &mut KvCache, t: i32| {
+            for layer in 0..layout.num_layers {
+                cache.append(layer, &rows(t), &rows(t)).unwrap();
+            }
+            cache.advance(t as usize);
+        };
+        append(&mut cache, 4);
+        assert_eq!(cache.take_grown_bytes(), 0, "first buffers");
+        append(&mut cache, 1);
+        // 4 rows of 2 heads of 4 f32, keys and values, 2 layers.
+        assert_eq!(cache.take_grown_bytes(), 4 * 2 * 4 * 4 * 2 * 2);
+        assert_eq!(cache.take_grown_bytes(), 0, "taken");
+        append(&mut cache, 1);
+        assert_eq!(cache.take_grown_bytes(), 0, "room left after the growth");
     }
 
     fn host(payloads: Vec<KvPayload>) -> Vec<Vec<u8>> {

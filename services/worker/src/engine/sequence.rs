@@ -409,6 +409,7 @@ impl Sequence {
         out.eval()?;
         self.phases.passes += 1;
         self.phases.compute += started.elapsed();
+        self.phases.grown_bytes += self.cache.take_grown_bytes();
         drop(compute);
         self.prefilled = end;
         if !self.last_token_alone && self.req.prefill_breaks.contains(&end) {

@@ -452,6 +452,7 @@ fn retire<M: BatchModel>(model: &M, mut a: Active<M::Seq>, c: &Counters) {
                     export_ms = ms(p.export),
                     store_ms = ms(p.store),
                     blocks = p.blocks,
+                    grown_mb = p.grown_bytes as f64 / 1e6,
                     "prefill phases"
                 );
             }
