@@ -180,8 +180,12 @@ impl Sequence {
         } else {
             Vec::new()
         };
+        // Rows for the prompt, a short answer and the conversation's next turn, so that none
+        // of them grows (copies) the buffers (`KvCache::plan_capacity`).
+        let planned = planned_rows(req.prompt.len(), req.max_tokens);
         let fresh_cache = || {
             let mut cache = model.model.new_cache(options.kv_step_tokens);
+            cache.plan_capacity(planned);
             if model.model.is_hybrid() {
                 let mut at = message_ends.clone();
                 at.push(body);
@@ -250,8 +254,8 @@ impl Sequence {
                 }
             }
         }
-        // Room for the rest of the prompt and the first generated token.
-        let room = req.prompt.len().saturating_sub(covered) + 1;
+        // Room for the rest of the prompt, the answer and the next turn, as planned.
+        let room = planned.saturating_sub(covered).max(1);
         if !resumed && let Err(e) = cache.import_all(&usable, room) {
             tracing::warn!(error = %e, "cached KV does not fit this model; computing the prompt");
             notices.push(Notice {
@@ -970,4 +974,13 @@ pub fn decode_step(
         ran: ready.len(),
         failed,
     })
+}
+
+/// Rows a sequence's KV buffers are made with: its prompt, up to 64 generated tokens (a
+/// longer answer grows them as decode goes, an eighth at a time), and a next turn of an
+/// eighth of the prompt. A resumed conversation's next turn then fits in the buffers it
+/// parked. Short prompts gain little (a growth copies little), and eight short streams
+/// given 512 rows each held ~190 MB more at their peak.
+fn planned_rows(prompt: usize, max_tokens: usize) -> usize {
+    prompt + max_tokens.min(64) + prompt / 8
 }
