@@ -276,7 +276,8 @@ FAMILIES_DIR = (pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen3_moe", "ministral3", "gemma3_gguf",
-                                    "qwen3_5", "qwen3_5_moe", "qwen3_next", "gpt_oss"])
+                                    "qwen3_5", "qwen3_5_moe", "qwen3_next", "gpt_oss",
+                                    "gpt_oss_mxfp4"])
 def test_new_families_are_served_and_cached_across_restarts(bin_dir, tmp_path, family):
     """The random-weight fixtures of the families added in round 2, served by the real
     cluster: Gemma 3 (five windowed layers of 16 tokens to each global one; also as llama.cpp
@@ -284,12 +285,13 @@ def test_new_families_are_served_and_cached_across_restarts(bin_dir, tmp_path, f
     scaling past 32 positions), the hybrid Qwen3.5 and Qwen3.5-MoE (Gated DeltaNet layers
     whose recurrent states travel in each block's snapshot; Qwen3-Next, their layers with
     the projections fused as published), gpt-oss (windows of 8 tokens
-    between full layers, attention sinks, experts with biases). mlx-lm's greedy tokens for
+    between full layers, attention sinks, experts with biases; also with its experts in MXFP4
+    as OpenAI publishes them). mlx-lm's greedy tokens for
     prompts of 7, 33 and 130 tokens, the same answer again from the cache (L0/L1), and after a
     restart of every process from the disk tier (L2)."""
     reference_family = family.removesuffix("_gguf")
     file = ("hybrid_reference.json" if family.startswith("qwen3_5")
-            else "gpt_oss_reference.json" if family == "gpt_oss"
+            else "gpt_oss_reference.json" if family.startswith("gpt_oss")
             else "qwen3_next_reference.json" if family == "qwen3_next" else "reference.json")
     reference = json.loads((FAMILIES_DIR / file).read_text())
     reference = reference["families"][reference_family]
@@ -321,6 +323,10 @@ def test_new_families_are_served_and_cached_across_restarts(bin_dir, tmp_path, f
                 # Everything but the last prompt token, from the cache (after the restart:
                 # from the disk tier, the process that stored it gone).
                 assert cached == len(case["input_ids"]) - 1, (restart, cached)
+    if family == "gpt_oss_mxfp4":
+        # A CPU computes in f32: the expansion of the packed experts is said, not silent.
+        log = (tmp_path / "strata.log").read_text(errors="replace")
+        assert "OpenAI's MXFP4 experts" in log and "expanded to dense weights" in log
 
 
 def test_a_hybrid_model_resumes_a_new_question_at_the_end_of_the_shared_system_prompt(
