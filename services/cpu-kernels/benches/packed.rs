@@ -45,7 +45,7 @@ fn main() {
         let packed8 = PackedMatrix::from_mlx_words(&words8, 8, &scales, &scales, n, k, group)
             .expect("a valid matrix");
         let w = packed.dequantize();
-        for rows in [1usize, 4, 8, 16] {
+        for rows in [1usize, 2, 4, 8, 16, 25, 48] {
             let x = values(rows * k, 1);
             let dense = median_ms(&|| {
                 std::hint::black_box(x_wt(&x, rows, &w, n, k));

@@ -633,6 +633,10 @@ const DEQUANTISE_FROM_ROWS: usize = 8;
 /// 24 KiB for a 1536-wide matrix).
 const DEQUANTISED_ROWS: usize = 4;
 
+/// Floats of `k` per span of `dequantised_columns` (rounded up to whole steps): a 4 x 6 tile's
+/// span of weights and of `x` (40 KiB) stays in a 48 KiB L1.
+const SPAN: usize = 1024;
+
 /// `out[j * rows + r] = x[r] · w[j]` for the weight rows of `part`.
 fn columns(x: &[f32], rows: usize, part: &Part<'_>, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
@@ -673,18 +677,67 @@ fn columns_scalar(x: &[f32], rows: usize, part: &Part<'_>, out: &mut [f32]) {
     }
 }
 
-/// One module per instruction set, as in `matmul`: tiles of up to 4 rows of `x` by 2 weight
-/// rows; each chunk of codes is widened and dequantised once in registers and then serves the
-/// tile's rows. `$bytes` and `$nibbles` load `$lanes` codes as f32 from bytes or nibbles.
+/// `$tile::<R, C, ...>(...)` for a tile of `R` rows of `x` by `C` weight rows known only at
+/// run time (1-6 by 1-4): the kernels are generic over both so that their accumulators live
+/// in registers.
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_shape {
+    ($t:expr, $c:expr, $tile:ident::<$($g:ident),*>($($a:expr),*)) => {
+        match ($t, $c) {
+            (1, 1) => $tile::<1, 1, $($g),*>($($a),*),
+            (1, 2) => $tile::<1, 2, $($g),*>($($a),*),
+            (1, 3) => $tile::<1, 3, $($g),*>($($a),*),
+            (1, 4) => $tile::<1, 4, $($g),*>($($a),*),
+            (2, 1) => $tile::<2, 1, $($g),*>($($a),*),
+            (2, 2) => $tile::<2, 2, $($g),*>($($a),*),
+            (2, 3) => $tile::<2, 3, $($g),*>($($a),*),
+            (2, 4) => $tile::<2, 4, $($g),*>($($a),*),
+            (3, 1) => $tile::<3, 1, $($g),*>($($a),*),
+            (3, 2) => $tile::<3, 2, $($g),*>($($a),*),
+            (3, 3) => $tile::<3, 3, $($g),*>($($a),*),
+            (3, 4) => $tile::<3, 4, $($g),*>($($a),*),
+            (4, 1) => $tile::<4, 1, $($g),*>($($a),*),
+            (4, 2) => $tile::<4, 2, $($g),*>($($a),*),
+            (4, 3) => $tile::<4, 3, $($g),*>($($a),*),
+            (4, 4) => $tile::<4, 4, $($g),*>($($a),*),
+            (5, 1) => $tile::<5, 1, $($g),*>($($a),*),
+            (5, 2) => $tile::<5, 2, $($g),*>($($a),*),
+            (5, 3) => $tile::<5, 3, $($g),*>($($a),*),
+            (5, 4) => $tile::<5, 4, $($g),*>($($a),*),
+            (6, 1) => $tile::<6, 1, $($g),*>($($a),*),
+            (6, 2) => $tile::<6, 2, $($g),*>($($a),*),
+            (6, 3) => $tile::<6, 3, $($g),*>($($a),*),
+            (6, 4) => $tile::<6, 4, $($g),*>($($a),*),
+            (t, c) => unreachable!("no {t} x {c} tile"),
+        }
+    };
+}
+
+/// One module per instruction set, as in `matmul`: tiles of up to 4 rows of `x` by
+/// `$code_cols` weight rows; each chunk of codes is widened and dequantised once in registers
+/// and then serves the tile's rows. Past a few rows, tiles of up to `$rows` by `$cols` multiply
+/// weights dequantised into a buffer. `$bytes` and `$nibbles` load `$lanes` codes as f32 from
+/// bytes or nibbles. The tile sizes are what the registers hold (16 in AVX2, 32 in AVX-512):
+/// a tile's accumulators are independent chains of multiply-adds, and too few of them left a
+/// core waiting on each one's latency (a decode step's 1 x 2 tiles ran at half the speed of
+/// 1 x 4 ones on AVX-512). Every output is one chain over `k` in the same order whatever the
+/// tile, so the tile sizes do not change a bit of it.
 #[cfg(target_arch = "x86_64")]
 macro_rules! packed_kernel {
-    ($module:ident, $feature:literal, $vector:ty, $lanes:expr, $zero:ident, $load:ident,
-     $set1:ident, $half_set1:expr, $fma:ident, $bytes:expr, $nibbles:expr, $sum:expr) => {
+    ($module:ident, $feature:literal, $vector:ty, $lanes:expr, $code_cols:expr, $rows:expr,
+     $cols:expr,
+     $zero:ident, $load:ident, $set1:ident, $half_set1:expr, $fma:ident, $bytes:expr,
+     $nibbles:expr, $sum:expr) => {
         mod $module {
             use super::Part;
             use std::arch::x86_64::*;
 
             const LANES: usize = $lanes;
+            /// Weight rows per tile on codes; rows of `x` and weight rows per tile on
+            /// dequantised weights.
+            const CODE_COLS: usize = $code_cols;
+            const ROWS: usize = $rows;
+            const COLS: usize = $cols;
 
             #[target_feature(enable = $feature)]
             pub unsafe fn columns(x: &[f32], rows: usize, part: &Part<'_>, out: &mut [f32]) {
@@ -712,26 +765,17 @@ macro_rules! packed_kernel {
                     unsafe { dequantised_columns::<NIB>(x, rows, part, out) };
                     return;
                 }
+                // Wider tiles for one or two rows only: at 4 x 4 the dequantised weights and
+                // their scales no longer fit the registers beside 16 accumulators.
+                let widest = if rows <= 2 { CODE_COLS } else { 2 };
                 let mut j = 0;
                 while j < cols {
-                    let c = (cols - j).min(2);
+                    let c = (cols - j).min(widest);
                     let mut r = 0;
                     while r < rows {
                         let t = (rows - r).min(4);
-                        // SAFETY (of each call): `tile` asserts that its rows, columns and
-                        // outputs exist.
-                        unsafe {
-                            match (t, c) {
-                                (4, 2) => tile::<4, 2, NIB, HALF>(x, r, part, j, rows, out),
-                                (4, _) => tile::<4, 1, NIB, HALF>(x, r, part, j, rows, out),
-                                (3, 2) => tile::<3, 2, NIB, HALF>(x, r, part, j, rows, out),
-                                (3, _) => tile::<3, 1, NIB, HALF>(x, r, part, j, rows, out),
-                                (2, 2) => tile::<2, 2, NIB, HALF>(x, r, part, j, rows, out),
-                                (2, _) => tile::<2, 1, NIB, HALF>(x, r, part, j, rows, out),
-                                (_, 2) => tile::<1, 2, NIB, HALF>(x, r, part, j, rows, out),
-                                _ => tile::<1, 1, NIB, HALF>(x, r, part, j, rows, out),
-                            }
-                        }
+                        // SAFETY: `tile` asserts that its rows, columns and outputs exist.
+                        unsafe { by_shape!(t, c, tile::<NIB, HALF>(x, r, part, j, rows, out)) };
                         r += t;
                     }
                     j += c;
@@ -752,82 +796,122 @@ macro_rules! packed_kernel {
                 let k = part.k;
                 let cols = part.codes.len() / part.row_bytes();
                 let mut buffer = vec![0f32; super::DEQUANTISED_ROWS * k];
+                // Each tile's accumulators between spans of `k`, `[rows, DEQUANTISED_ROWS]`.
+                let mut sums = vec![$zero(); rows * super::DEQUANTISED_ROWS];
+                let step = if NIB { 32 } else { LANES };
+                let span = super::SPAN.div_ceil(step) * step;
                 let mut j0 = 0;
                 while j0 < cols {
                     let n = super::DEQUANTISED_ROWS.min(cols - j0);
                     super::dequantize_part(&part.sub(j0, n), &mut buffer[..n * k]);
-                    let mut j = 0;
-                    while j < n {
-                        let c = (n - j).min(2);
-                        let w = &buffer[j * k..(j + c) * k];
-                        let mut r = 0;
-                        while r < rows {
-                            let t = (rows - r).min(4);
+                    let mut from = 0;
+                    while from < k {
+                        let to = (from + span).min(k);
+                        let mut j = 0;
+                        while j < n {
+                            let c = (n - j).min(COLS);
+                            let w = &buffer[j * k..(j + c) * k];
                             let o = &mut out[(j0 + j) * rows..(j0 + j + c) * rows];
-                            // SAFETY (of each call): `tile_f32` asserts that its rows,
-                            // columns and outputs exist.
-                            unsafe {
-                                match (t, c) {
-                                    (4, 2) => tile_f32::<4, 2, NIB>(x, r, w, k, rows, o),
-                                    (4, _) => tile_f32::<4, 1, NIB>(x, r, w, k, rows, o),
-                                    (3, 2) => tile_f32::<3, 2, NIB>(x, r, w, k, rows, o),
-                                    (3, _) => tile_f32::<3, 1, NIB>(x, r, w, k, rows, o),
-                                    (2, 2) => tile_f32::<2, 2, NIB>(x, r, w, k, rows, o),
-                                    (2, _) => tile_f32::<2, 1, NIB>(x, r, w, k, rows, o),
-                                    (_, 2) => tile_f32::<1, 2, NIB>(x, r, w, k, rows, o),
-                                    _ => tile_f32::<1, 1, NIB>(x, r, w, k, rows, o),
-                                }
+                            let mut r = 0;
+                            while r < rows {
+                                let t = (rows - r).min(ROWS);
+                                let tile = Tile {
+                                    r0: r,
+                                    j,
+                                    from,
+                                    to,
+                                    k,
+                                    rows,
+                                };
+                                // SAFETY: `tile_f32` asserts that its rows, columns, sums and
+                                // outputs exist.
+                                unsafe {
+                                    by_shape!(t, c, tile_f32::<NIB>(x, w, &tile, &mut sums, o))
+                                };
+                                r += t;
                             }
-                            r += t;
+                            j += c;
                         }
-                        j += c;
+                        from = to;
                     }
                     j0 += n;
                 }
             }
 
-            /// `tile` on dequantised weights `w` (`[C, k]`): the same loads of `x` and the
-            /// same multiply-adds in the same order.
+            /// Where a tile of `tile_f32` lies: its first row of `x` and weight row in the
+            /// panel, its span of `k`, the row length and the number of rows of `x`.
+            struct Tile {
+                r0: usize,
+                j: usize,
+                from: usize,
+                to: usize,
+                k: usize,
+                rows: usize,
+            }
+
+            /// `tile` on dequantised weights `w` (`[C, k]`) over the span `from..to` of `k`:
+            /// the same loads of `x` and the same multiply-adds in the same order. The
+            /// accumulators start from `sums` (`[rows, DEQUANTISED_ROWS]`, zero before the
+            /// first span) and go back there; after the last span each is summed into `out`,
+            /// as `tile` sums them, so splitting `k` changes no bit. Spans keep a tile's weights
+            /// in L1 while every row of `x` passes over them: over the whole of a long row
+            /// (Qwen2.5-1.5B's 8960) the tile's weights and rows of `x` left L1 and L2's
+            /// bandwidth set the pace.
             #[inline]
             #[target_feature(enable = $feature)]
             unsafe fn tile_f32<const R: usize, const C: usize, const NIB: bool>(
                 x: &[f32],
-                r0: usize,
                 w: &[f32],
-                k: usize,
-                rows: usize,
+                tile: &Tile,
+                sums: &mut [$vector],
                 out: &mut [f32],
             ) {
-                assert!((r0 + R) * k <= x.len() && C * k <= w.len());
+                let Tile {
+                    r0,
+                    j,
+                    from,
+                    to,
+                    k,
+                    rows,
+                } = *tile;
+                let width = super::DEQUANTISED_ROWS;
+                assert!((r0 + R) * k <= x.len() && C * k <= w.len() && to <= k);
                 assert!((C - 1) * rows + r0 + R <= out.len());
-                assert!(k.is_multiple_of(if NIB { 32 } else { LANES }));
+                assert!((r0 + R - 1) * width + j + C <= sums.len() && j + C <= width);
+                assert!((to - from).is_multiple_of(if NIB { 32 } else { LANES }));
                 let (xp, wp) = (x.as_ptr(), w.as_ptr());
                 let mut acc: [[$vector; C]; R] = [[$zero(); C]; R];
-                let mut at = 0;
-                while NIB && at < k {
+                if from > 0 {
+                    for (i, row) in acc.iter_mut().enumerate() {
+                        row.copy_from_slice(&sums[(r0 + i) * width + j..][..C]);
+                    }
+                }
+                let mut at = from;
+                while NIB && at < to {
                     for u in (0..16).step_by(LANES) {
-                        // SAFETY: at + 32 <= k inside every row (asserted above).
-                        unsafe {
-                            let mut low: [$vector; C] = [$zero(); C];
-                            let mut high: [$vector; C] = [$zero(); C];
-                            for c in 0..C {
-                                low[c] = $load(wp.add(c * k + at + u));
-                                high[c] = $load(wp.add(c * k + at + 16 + u));
-                            }
-                            for (i, row) in acc.iter_mut().enumerate() {
-                                let xl = $load(xp.add((r0 + i) * k + at + u));
-                                let xh = $load(xp.add((r0 + i) * k + at + 16 + u));
+                        // The low weights into every accumulator, then the high ones: each
+                        // accumulator's order is `tile`'s, and only `C` weight vectors are
+                        // live at a time (a 6 x 4 tile's 24 accumulators leave room for 4).
+                        for half in [u, 16 + u] {
+                            // SAFETY: at + 32 <= to <= k inside every row (asserted above).
+                            unsafe {
+                                let mut wv: [$vector; C] = [$zero(); C];
                                 for c in 0..C {
-                                    row[c] = $fma(xl, low[c], row[c]);
-                                    row[c] = $fma(xh, high[c], row[c]);
+                                    wv[c] = $load(wp.add(c * k + at + half));
+                                }
+                                for (i, row) in acc.iter_mut().enumerate() {
+                                    let xv = $load(xp.add((r0 + i) * k + at + half));
+                                    for c in 0..C {
+                                        row[c] = $fma(xv, wv[c], row[c]);
+                                    }
                                 }
                             }
                         }
                     }
                     at += 32;
                 }
-                while !NIB && at < k {
-                    // SAFETY: at + LANES <= k inside every row (asserted above).
+                while !NIB && at < to {
+                    // SAFETY: at + LANES <= to <= k inside every row (asserted above).
                     unsafe {
                         let mut wv: [$vector; C] = [$zero(); C];
                         for c in 0..C {
@@ -843,6 +927,10 @@ macro_rules! packed_kernel {
                     at += LANES;
                 }
                 for (i, row) in acc.iter().enumerate() {
+                    if to < k {
+                        sums[(r0 + i) * width + j..][..C].copy_from_slice(row);
+                        continue;
+                    }
                     for (c, a) in row.iter().enumerate() {
                         out[c * rows + r0 + i] = $sum(*a);
                     }
@@ -945,6 +1033,9 @@ packed_kernel!(
     "avx2,fma,f16c",
     __m256,
     8,
+    2,
+    4,
+    2,
     _mm256_setzero_ps,
     _mm256_loadu_ps,
     _mm256_set1_ps,
@@ -975,6 +1066,9 @@ packed_kernel!(
     "avx512f,f16c",
     __m512,
     16,
+    4,
+    6,
+    4,
     _mm512_setzero_ps,
     _mm512_loadu_ps,
     _mm512_set1_ps,
@@ -1039,6 +1133,9 @@ mod tests {
             (19, 128, 8, 64),
             (9, 96, 6, 32),
             (11, 64, 4, 16),
+            // Rows longer than a span of `dequantised_columns`.
+            (7, 2080, 4, 32),
+            (5, 1040, 8, 16),
         ] {
             let (m, _) = matrix(n, k, bits, group);
             let rows = 13;
