@@ -123,7 +123,7 @@ fn long_products() {
             let panels8 = median_ms(&|| {
                 std::hint::black_box(packed8.x_wt_long(&x, rows, sgemm));
             });
-            let kernel = if rows <= 64 {
+            let kernel = if rows <= 512 {
                 format!(
                     "{:.3}",
                     median_ms(&|| {

@@ -251,11 +251,19 @@ fn main() -> anyhow::Result<()> {
     let reexec_warning = |e: &dyn std::fmt::Display| {
         tracing::warn!(error = %e, "could not re-execute with OpenBLAS settings; using its defaults");
     };
+    let coretype = std::env::var("OPENBLAS_CORETYPE").ok();
+    let coretype_notice = || {
+        if let Some(notice) = blas_env::coretype_notice(coretype.as_deref(), &blas_env::cpu_flags())
+        {
+            tracing::warn!("{notice}");
+        }
+    };
     if !matches!(cli.command, Command::Serve { .. }) {
         strata_runtime::logging::init("strata-worker");
         if let Err(e) = &reexec {
             reexec_warning(e);
         }
+        coretype_notice();
     }
     let device = mlx_device::select_default_device();
     let info = ModelInfo {
@@ -440,6 +448,7 @@ fn main() -> anyhow::Result<()> {
             if let Err(e) = &reexec {
                 reexec_warning(e);
             }
+            coretype_notice();
             // A worker never outlives its gateway, on macOS too (no parent-death signal there).
             strata_runtime::parent::watch_parent(|| {
                 strata_runtime::parent::terminate_self(std::time::Duration::from_secs(20))

@@ -572,7 +572,7 @@ pub enum Matrix {
 pub const PACKED_MAX_ROWS: usize = 16;
 
 /// Rows up to which a matrix kept only as codes uses the packed kernel rather than BLAS panels.
-const CODES_KERNEL_MAX_ROWS: usize = 24;
+const CODES_KERNEL_MAX_ROWS: usize = 48;
 
 impl Matrix {
     pub fn eval(&self) -> Result<()> {
