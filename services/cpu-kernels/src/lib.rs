@@ -5,6 +5,7 @@
 //! spread over the cores with rayon. A crate of its own so that it is optimised in debug
 //! builds too (see the workspace profile): the worker's tests run real inference through it.
 
+pub mod activation;
 pub mod attention;
 pub mod blas;
 pub mod gated_delta;

@@ -74,7 +74,7 @@ fn softmax_row_portable(row: &[f32], out: &mut [f32]) {
 /// (Cephes' expf coefficients), times 2^n built in the exponent bits. Inputs below the
 /// smallest normal's logarithm give that normal (weights under 1e-38 of the largest).
 #[inline(always)]
-fn exp_nonpositive(x: f32) -> f32 {
+pub(crate) fn exp_nonpositive(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;

@@ -301,6 +301,26 @@ fn fused_attention(
     )?)
 }
 
+/// `silu(gate) · up` computed on the host where both are f32 arrays of one shape (a CPU
+/// computing in f32: `strata_cpu_kernels::activation` says why), else through MLX.
+fn host_swiglu(gate: Array, up: &Array) -> Result<Array> {
+    if gate.dtype() != Dtype::Float32 || up.dtype() != Dtype::Float32 || gate.shape() != up.shape()
+    {
+        return Ok(mlx_rs::nn::silu(gate)?.multiply(up)?);
+    }
+    gate.eval()?;
+    up.eval()?;
+    match (gate.try_as_slice::<f32>(), up.try_as_slice::<f32>()) {
+        (Ok(g), Ok(u)) => {
+            let mut out = g.to_vec();
+            strata_cpu_kernels::activation::swiglu(&mut out, u);
+            Ok(Array::from_slice(&out, gate.shape()))
+        }
+        // Not laid out row-major in memory: MLX's own operations.
+        _ => Ok(mlx_rs::nn::silu(gate)?.multiply(up)?),
+    }
+}
+
 /// Attention's output (`[tokens, heads * dim]`) times `sigmoid(gate)` where the layer gates
 /// it (Qwen3.5).
 fn gated(attn: Array, gate: Option<&Array>) -> Result<Array> {
@@ -1066,12 +1086,14 @@ impl Model {
             FeedForward::Experts(experts) => experts.forward(&normed, few)?,
             FeedForward::Dense { gate, up, down } => {
                 let [gate, up] = Linear::forward_group([gate, up], &normed, few)?;
-                let gate = if self.config.arch.is_gemma() {
-                    mlx_rs::nn::gelu_approximate(gate)?
+                let hidden = if self.config.arch.is_gemma() {
+                    mlx_rs::nn::gelu_approximate(gate)?.multiply(&up)?
+                } else if self.host.is_some() {
+                    host_swiglu(gate, &up)?
                 } else {
-                    mlx_rs::nn::silu(gate)?
+                    mlx_rs::nn::silu(gate)?.multiply(&up)?
                 };
-                down.forward_on(&gate.multiply(&up)?, few)?
+                down.forward_on(&hidden, few)?
             }
         };
         let out = match &layer.mlp_out_norm {

@@ -245,9 +245,7 @@ fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 
 /// `silu(gate) · up`, in place in `gate`.
 fn swiglu(gate: &mut [f32], up: &[f32]) {
-    for (g, u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
-    }
+    strata_cpu_kernels::activation::swiglu(gate, up);
 }
 
 /// `gelu_tanh(gate) · up` (Gemma), in place in `gate`, in MLX's order of operations:
