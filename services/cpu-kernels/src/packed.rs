@@ -477,76 +477,74 @@ fn dequantize_part(part: &Part<'_>, out: &mut [f32]) {
     dequantize_part_any(part, out);
 }
 
+/// The groups of `part` beside their floats of `out` (`[rows, k]`): each group's codes (bytes,
+/// or `group / 2` bytes of nibbles), its `group` floats and its index among the parameters.
+/// The frame of the vectorised dequantisations.
+fn groups_of<'a>(
+    part: &'a Part<'_>,
+    out: &'a mut [f32],
+) -> impl Iterator<Item = (&'a [u8], &'a mut [f32], usize)> {
+    let (k, group, bytes) = (part.k, part.group, part.row_bytes());
+    assert!(
+        out.len() >= part.codes.len() / bytes * k,
+        "out is not [rows, k]"
+    );
+    let group_bytes = if part.nibbles { group / 2 } else { group };
+    part.codes
+        .chunks_exact(group_bytes)
+        .zip(out.chunks_exact_mut(group))
+        .enumerate()
+        .map(|(at, (codes, dst))| (codes, dst, at))
+}
+
+/// Group `at`'s scale and bias; f16 pairs through F16C, in place of `half`'s conversion, which
+/// checks the CPU on every call.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "f16c")]
+#[inline]
+fn group_params_f16c(params: &ParamsRef<'_>, at: usize) -> (f32, f32) {
+    use std::arch::x86_64::*;
+    if !params.half() {
+        return (params.s32[at], params.b32[at]);
+    }
+    let (s, b) = (params.s16[at] as i16, params.b16[at] as i16);
+    let pair = _mm_cvtph_ps(_mm_setr_epi16(s, b, 0, 0, 0, 0, 0, 0));
+    (_mm_cvtss_f32(pair), _mm_cvtss_f32(_mm_movehdup_ps(pair)))
+}
+
 /// `dequantize_part_any` in AVX2 and FMA: eight codes widened to f32 and scaled per
 /// instruction (left to the compiler, the loops went through a libm `fmaf` call per weight).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dequantize_part_fma(part: &Part<'_>, out: &mut [f32]) {
     use std::arch::x86_64::*;
-    let (k, group, bytes) = (part.k, part.group, part.row_bytes());
-    let groups = k / group;
-    assert!(
-        out.len() >= part.codes.len() / bytes * k,
-        "out is not [rows, k]"
-    );
     let low_nibbles = _mm_set1_epi8(15);
-    for (j, (row, dst)) in part
-        .codes
-        .chunks_exact(bytes)
-        .zip(out.chunks_exact_mut(k))
-        .enumerate()
-    {
-        for (g, dst) in dst.chunks_exact_mut(group).enumerate() {
-            let at = j * groups + g;
-            let (scale, bias) = if part.params.half() {
-                // F16C, in place of `half`'s conversion, which checks the CPU on every call.
-                let halves = _mm_setr_epi16(
-                    part.params.s16[at] as i16,
-                    part.params.b16[at] as i16,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                );
-                let pair = _mm_cvtph_ps(halves);
-                (
-                    _mm256_broadcastss_ps(pair),
-                    _mm256_broadcastss_ps(_mm_movehdup_ps(pair)),
-                )
-            } else {
-                (
-                    _mm256_set1_ps(part.params.s32[at]),
-                    _mm256_set1_ps(part.params.b32[at]),
-                )
+    for (codes, dst, at) in groups_of(part, out) {
+        let (scale, bias) = group_params_f16c(&part.params, at);
+        let (scale, bias) = (_mm256_set1_ps(scale), _mm256_set1_ps(bias));
+        let (q, d) = (codes.as_ptr(), dst.as_mut_ptr());
+        // SAFETY: `codes` are the group's (`dst.len()` codes, half as many bytes as nibbles),
+        // and groups are multiples of 16 (32 as nibbles): every load and store below stays
+        // inside them.
+        unsafe {
+            let widen = |eight: __m128i, at: usize| {
+                let q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight));
+                _mm256_storeu_ps(d.add(at), _mm256_fmadd_ps(q, scale, bias));
             };
-            let d = dst.as_mut_ptr();
-            // SAFETY: a group is `group` codes (`group / 2` bytes as nibbles) of `row` and
-            // `group` floats of `dst`; groups are multiples of 16 (32 as nibbles), so every
-            // load and store below stays inside them.
-            unsafe {
-                let widen = |eight: __m128i, at: usize| {
-                    let q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight));
-                    _mm256_storeu_ps(d.add(at), _mm256_fmadd_ps(q, scale, bias));
-                };
-                if part.nibbles {
-                    let codes = row.as_ptr().add(g * group / 2);
-                    for run in 0..group / 32 {
-                        let v = _mm_loadu_si128(codes.add(run * 16).cast());
-                        let low = _mm_and_si128(v, low_nibbles);
-                        let high = _mm_and_si128(_mm_srli_epi16(v, 4), low_nibbles);
-                        let at = run * 32;
-                        widen(low, at);
-                        widen(_mm_srli_si128(low, 8), at + 8);
-                        widen(high, at + 16);
-                        widen(_mm_srli_si128(high, 8), at + 24);
-                    }
-                } else {
-                    let codes = row.as_ptr().add(g * group);
-                    for at in (0..group).step_by(8) {
-                        widen(_mm_loadl_epi64(codes.add(at).cast()), at);
-                    }
+            if part.nibbles {
+                for run in 0..dst.len() / 32 {
+                    let v = _mm_loadu_si128(q.add(run * 16).cast());
+                    let low = _mm_and_si128(v, low_nibbles);
+                    let high = _mm_and_si128(_mm_srli_epi16(v, 4), low_nibbles);
+                    let at = run * 32;
+                    widen(low, at);
+                    widen(_mm_srli_si128(low, 8), at + 8);
+                    widen(high, at + 16);
+                    widen(_mm_srli_si128(high, 8), at + 24);
+                }
+            } else {
+                for at in (0..dst.len()).step_by(8) {
+                    widen(_mm_loadl_epi64(q.add(at).cast()), at);
                 }
             }
         }
@@ -561,59 +559,26 @@ unsafe fn dequantize_part_fma(part: &Part<'_>, out: &mut [f32]) {
 #[target_feature(enable = "avx512f,f16c")]
 unsafe fn dequantize_part_avx512(part: &Part<'_>, out: &mut [f32]) {
     use std::arch::x86_64::*;
-    let (k, group, bytes) = (part.k, part.group, part.row_bytes());
-    let groups = k / group;
-    assert!(
-        out.len() >= part.codes.len() / bytes * k,
-        "out is not [rows, k]"
-    );
     let low_nibbles = _mm512_set1_epi32(15);
-    for (j, (row, dst)) in part
-        .codes
-        .chunks_exact(bytes)
-        .zip(out.chunks_exact_mut(k))
-        .enumerate()
-    {
-        for (g, dst) in dst.chunks_exact_mut(group).enumerate() {
-            let at = j * groups + g;
-            let (scale, bias) = if part.params.half() {
-                // F16C, as in `dequantize_part_fma`.
-                let (s, b) = (part.params.s16[at] as i16, part.params.b16[at] as i16);
-                let pair = _mm_cvtph_ps(_mm_setr_epi16(s, b, 0, 0, 0, 0, 0, 0));
-                (
-                    _mm512_broadcastss_ps(pair),
-                    _mm512_broadcastss_ps(_mm_movehdup_ps(pair)),
-                )
-            } else {
-                (
-                    _mm512_set1_ps(part.params.s32[at]),
-                    _mm512_set1_ps(part.params.b32[at]),
-                )
+    for (codes, dst, at) in groups_of(part, out) {
+        let (scale, bias) = group_params_f16c(&part.params, at);
+        let (scale, bias) = (_mm512_set1_ps(scale), _mm512_set1_ps(bias));
+        let (q, d) = (codes.as_ptr(), dst.as_mut_ptr());
+        // SAFETY: as in `dequantize_part_fma`.
+        unsafe {
+            let store = |lanes: __m512i, at: usize| {
+                let w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), scale, bias);
+                _mm512_storeu_ps(d.add(at), w);
             };
-            let d = dst.as_mut_ptr();
-            // SAFETY: a group is `group` codes (`group / 2` bytes as nibbles) of `row` and
-            // `group` floats of `dst`; groups are multiples of 16 (32 as nibbles), so every
-            // load and store below stays inside them.
-            unsafe {
-                let store = |lanes: __m512i, at: usize| {
-                    let q = _mm512_cvtepi32_ps(lanes);
-                    _mm512_storeu_ps(d.add(at), _mm512_fmadd_ps(q, scale, bias));
-                };
-                if part.nibbles {
-                    let codes = row.as_ptr().add(g * group / 2);
-                    for run in 0..group / 32 {
-                        let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(codes.add(run * 16).cast()));
-                        store(_mm512_and_si512(v, low_nibbles), run * 32);
-                        store(_mm512_srli_epi32(v, 4), run * 32 + 16);
-                    }
-                } else {
-                    let codes = row.as_ptr().add(g * group);
-                    for at in (0..group).step_by(16) {
-                        store(
-                            _mm512_cvtepu8_epi32(_mm_loadu_si128(codes.add(at).cast())),
-                            at,
-                        );
-                    }
+            if part.nibbles {
+                for run in 0..dst.len() / 32 {
+                    let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(q.add(run * 16).cast()));
+                    store(_mm512_and_si512(v, low_nibbles), run * 32);
+                    store(_mm512_srli_epi32(v, 4), run * 32 + 16);
+                }
+            } else {
+                for at in (0..dst.len()).step_by(16) {
+                    store(_mm512_cvtepu8_epi32(_mm_loadu_si128(q.add(at).cast())), at);
                 }
             }
         }
