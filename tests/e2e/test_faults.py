@@ -329,14 +329,16 @@ def test_request_timeout_bounds_the_whole_generation(bin_dir, default_model, tmp
 
 def test_a_stopping_cluster_stores_the_blocks_its_workers_still_hold(bin_dir, default_model,
                                                                      tmp_path):
-    # Every Store call of the worker is held back 3 s (a debug-build fault switch), so the
+    # Every Store call of the worker is held back 1.5 s (a debug-build fault switch), so the
     # prompt's blocks are still queued in the worker when the gateway gets SIGTERM. Before the
     # ordered shutdown the cache service stopped together with the worker and they were lost:
     # the next start had nothing. Now the worker drains its queue into the service, and only
-    # then does the gateway stop the service.
+    # then does the gateway stop the service. A prompt's blocks can take two Store calls (the
+    # first pass's block goes alone while the others are computed): with 3 s a call, a prefill
+    # faster than the first call left the second still running at the worker's 5 s drain.
     text_for = lambda port: one_model_config(tmp_path, port, MODEL, default_model)
     ask = messages("Summarise the clauses in one sentence.")
-    env = dict(os.environ, STRATA_TEST_STORE_DELAY_MS="3000")
+    env = dict(os.environ, STRATA_TEST_STORE_DELAY_MS="1500")
     port = pick_port()
     with config_cluster(bin_dir, tmp_path, port, text_for(port), env=env) as c:
         oai = openai.OpenAI(base_url=c.url + "/v1", api_key="x", max_retries=0, timeout=120)
