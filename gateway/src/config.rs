@@ -208,6 +208,12 @@ pub struct ModelConfig {
     /// the CPU].
     #[serde(default)]
     pub warmup_tokens: Option<usize>,
+    /// How a CPU multiplies prompt chunks of 8+ rows by a GGUF file's weights: "f32" or
+    /// "bf16" (twice the multiply-adds per instruction on CPUs with AVX-512 BF16; answers
+    /// differ from f32 within bf16 rounding, and the cached blocks are named apart)
+    /// [default: the worker's, f32].
+    #[serde(default)]
+    pub cpu_products: Option<CpuProducts>,
     /// Load when `strata up` starts even if not pinned [default: only pinned models start
     /// loaded; the others load on their first request].
     #[serde(default)]
@@ -215,6 +221,24 @@ pub struct ModelConfig {
     /// Unload after this many seconds without a request (never while pinned).
     #[serde(default)]
     pub idle_ttl_secs: Option<u64>,
+}
+
+/// `cpu_products` in a model's table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CpuProducts {
+    F32,
+    Bf16,
+}
+
+impl CpuProducts {
+    /// The worker's `--cpu-products` value.
+    pub fn arg(self) -> &'static str {
+        match self {
+            CpuProducts::F32 => "f32",
+            CpuProducts::Bf16 => "bf16",
+        }
+    }
 }
 
 impl ModelConfig {
@@ -238,6 +262,7 @@ impl ModelConfig {
             prefill_chunk_tokens: None,
             block_tokens: None,
             warmup_tokens: None,
+            cpu_products: None,
             preload: false,
             idle_ttl_secs: None,
         }

@@ -792,6 +792,11 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
                     .iter()
                     .flat_map(|n| ["--warmup-tokens".to_string(), n.to_string()]),
             )
+            .chain(
+                m.cpu_products
+                    .iter()
+                    .flat_map(|p| ["--cpu-products".to_string(), p.arg().to_string()]),
+            )
             .collect(),
             socket,
             envs: child_envs.clone(),

@@ -70,6 +70,12 @@ memory_budget = "1GiB"
 kv_cache_bits = 8
 
 [[models]]
+id = "bf16"
+path = "{default_model}"
+memory_budget = "2GiB"
+cpu_products = "bf16"
+
+[[models]]
 id = "mismatch"
 path = "{default_model}"
 memory_budget = "2GiB"
@@ -360,3 +366,37 @@ def test_a_cache_service_that_does_not_answer_is_reported_not_hidden(cluster, oa
     assert "prefix_cache: " in headers["x-strata-warnings"]
     assert metric(cluster, "strata_feature_not_applied_total", model="plain",
                   feature="prefix_cache") >= 1
+
+
+def cpu_has_bf16():
+    with open("/proc/cpuinfo") as f:
+        return "avx512_bf16" in f.read()
+
+
+def test_bf16_products_are_reported_and_their_blocks_named_apart(cluster, oai):
+    # f32 blocks of this prompt exist (the worker reuses them itself)...
+    cached(oai, "plain", salt="bf16")
+    assert cached(oai, "plain", salt="bf16")[0] > 0
+    first, text = cached(oai, "bf16", salt="bf16")
+    # Loaded by that first request.
+    feature = admin_features(cluster, "bf16")["cpu_products"]
+    assert text.strip()
+    if cpu_has_bf16():
+        # ...and a worker computing chunks in bf16 does not take them: its KV differs
+        # within bf16 rounding, so its blocks have a fingerprint of their own.
+        assert feature.startswith("bf16"), feature
+        assert first == 0
+    else:
+        # Not applied, and said so: the worker computes in f32 like the others.
+        assert "NOT APPLIED" in feature, feature
+    again, _ = cached(oai, "bf16", salt="bf16")
+    assert again > 0
+    # A new question after the cached prefix: a chunk of 8-48 rows, the one computed in bf16.
+    r = oai.chat.completions.create(
+        model="bf16", temperature=0, max_tokens=16,
+        messages=[{"role": "user", "content": LONG + " Answer in one sentence, and name the "
+                   "place where the keeper lived and worked every single day."}],
+        extra_body={"cache_salt": "bf16"})
+    new_rows = r.usage.prompt_tokens - r.usage.prompt_tokens_details.cached_tokens
+    assert 8 <= new_rows <= 48, r.usage
+    assert r.choices[0].message.content.strip()

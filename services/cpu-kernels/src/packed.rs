@@ -428,10 +428,23 @@ pub fn x_wt_many(matrices: &[&PackedMatrix], x: &[f32], rows: usize) -> Vec<Vec<
             tasks.push((m, t * COLS_PER_TASK, chunk));
         }
     }
+    #[cfg(target_arch = "x86_64")]
+    if matrices.first().is_some_and(|m| bf16::applies(rows, m.k)) {
+        let xb = bf16::round_rows(x);
+        tasks.into_par_iter().for_each(|(m, j0, out)| {
+            bf16::columns(&xb, rows, &m.part(j0, out.len() / rows), out);
+        });
+        return transposed(by_col, matrices, rows);
+    }
     tasks.into_par_iter().for_each(|(m, j0, out)| {
         let part = m.part(j0, out.len() / rows);
         columns(x, rows, &part, out);
     });
+    transposed(by_col, matrices, rows)
+}
+
+/// Each `[n, rows]` product of `x_wt_many` as `[rows, n]`.
+fn transposed(by_col: Vec<Vec<f32>>, matrices: &[&PackedMatrix], rows: usize) -> Vec<Vec<f32>> {
     if rows == 1 {
         return by_col;
     }
@@ -737,6 +750,10 @@ fn columns_scalar(x: &[f32], rows: usize, part: &Part<'_>, out: &mut [f32]) {
 /// in registers.
 #[cfg(target_arch = "x86_64")]
 macro_rules! by_shape {
+    // A kernel generic over the shape alone.
+    ($t:expr, $c:expr, $tile:ident($($a:expr),*)) => {
+        by_shape!($t, $c, $tile::<>($($a),*))
+    };
     ($t:expr, $c:expr, $tile:ident::<$($g:ident),*>($($a:expr),*)) => {
         match ($t, $c) {
             (1, 1) => $tile::<1, 1, $($g),*>($($a),*),
@@ -766,6 +783,22 @@ macro_rules! by_shape {
             (t, c) => unreachable!("no {t} x {c} tile"),
         }
     };
+}
+
+#[cfg(target_arch = "x86_64")]
+mod bf16;
+#[cfg(target_arch = "x86_64")]
+pub use bf16::{bf16_products, set_bf16_products};
+
+/// Products in bf16 need AVX-512 BF16 (`bf16`): elsewhere they stay f32.
+#[cfg(not(target_arch = "x86_64"))]
+pub fn set_bf16_products(_on: bool) -> bool {
+    false
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+pub fn bf16_products() -> bool {
+    false
 }
 
 /// One module per instruction set, as in `matmul`: tiles of up to 4 rows of `x` by
@@ -1218,6 +1251,72 @@ mod tests {
                     "{bits} bits, groups of {group}, row {r}"
                 );
             }
+        }
+    }
+
+    /// bf16 products (called directly: the process-wide switch stays off for the other
+    /// tests) stay within their rounding of the exact product of the dequantised weights:
+    /// each of `x` and `w` is off by at most 2^-9 of itself, so each term by about 2^-8.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn bf16_products_stay_within_their_rounding() {
+        if !bf16::available() {
+            eprintln!("no AVX-512 BF16 on this CPU: nothing to check");
+            return;
+        }
+        for &(rows, n, k, bits, group) in &[
+            (8, 37, 576, 4, 32),
+            (13, 19, 128, 8, 64),
+            (25, 11, 64, 4, 16),
+            (9, 9, 96, 6, 32),
+            // Longer than a span, and a tile's every shape.
+            (31, 7, 2080, 4, 32),
+            (14, 5, 1056, 8, 16),
+        ] {
+            let (m, _) = matrix(n, k, bits, group);
+            let w = m.dequantize();
+            let x = values(rows * k, 11);
+            let mut by_col = vec![0f32; n * rows];
+            bf16::columns(&bf16::round_rows(&x), rows, &m.part(0, n), &mut by_col);
+            for r in 0..rows {
+                for j in 0..n {
+                    let terms = (0..k).map(|t| x[r * k + t] as f64 * w[j * k + t] as f64);
+                    let want: f64 = terms.clone().sum();
+                    let size: f64 = terms.map(f64::abs).sum();
+                    let got = by_col[j * rows + r] as f64;
+                    assert!(
+                        (got - want).abs() <= size * (2f64.powi(-8) + k as f64 * 2f64.powi(-24)),
+                        "{rows}x{n}x{k} {bits} bits, groups of {group}: {got} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// The scalar rounding of a row's tail is the instruction's: nearest, ties to even.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn bf16_rounding_of_tails_is_the_instructions() {
+        if !bf16::available() {
+            return;
+        }
+        let specials = [
+            1.0 + 2f32.powi(-8),
+            1.0 + 3.0 * 2f32.powi(-8),
+            -1.0 - 2f32.powi(-8),
+            f32::MAX,
+            f32::MIN_POSITIVE,
+            f32::INFINITY,
+            -0.0,
+            1e-40,
+        ];
+        let mut x: Vec<f32> = specials.to_vec();
+        x.extend(values(40, 12).iter().map(|v| v * 1e3));
+        for &v in &x {
+            // 17 values: the first 16 through the instruction, the last through the tail.
+            let row = [v; 17];
+            let rounded = bf16::round_rows(&row);
+            assert_eq!(rounded[0], rounded[16], "{v:e}");
         }
     }
 

@@ -12,7 +12,7 @@ use strata_worker::engine::llama::SeqChunk;
 use strata_worker::engine::loader;
 
 /// `STRATA_BENCH_MODEL` (a GGUF file or model folder) in place of SmolLM2, and
-/// `STRATA_BENCH_PREFIX` tokens in place of 4096.
+/// `STRATA_BENCH_PREFIX` tokens in place of 4096 (and `STRATA_BENCH_BF16=1`, below).
 fn model_path() -> PathBuf {
     if let Some(path) = std::env::var_os("STRATA_BENCH_MODEL") {
         return PathBuf::from(path);
@@ -34,6 +34,11 @@ fn median(mut v: Vec<Duration>) -> Duration {
 
 fn main() {
     strata_worker::mlx_device::keep_freed_memory_mapped();
+    // `STRATA_BENCH_BF16=1`: chunks of 8+ rows in bf16, as `--cpu-products bf16`.
+    let bf16 = std::env::var("STRATA_BENCH_BF16").is_ok_and(|v| v == "1");
+    if bf16 != strata_cpu_kernels::packed::set_bf16_products(bf16) {
+        eprintln!("this CPU has no AVX-512 BF16: products stay f32");
+    }
     let rounds: u32 = std::env::args()
         .skip(1)
         .find_map(|a| a.parse().ok())

@@ -108,6 +108,8 @@ enum Command {
         warmup_tokens: Option<usize>,
         #[command(flatten)]
         draft: DraftArgs,
+        #[command(flatten)]
+        products: ProductArgs,
     },
     /// Print which MLX library and device this process gets, then exit.
     Probe,
@@ -184,6 +186,55 @@ struct ModelArgs {
     prefill_chunk_tokens: Option<usize>,
     #[command(flatten)]
     draft: DraftArgs,
+    #[command(flatten)]
+    products: ProductArgs,
+}
+
+#[derive(clap::Args, Clone, Copy)]
+struct ProductArgs {
+    /// How a CPU multiplies a chunk of 8 or more prompt rows by weights kept as codes (GGUF
+    /// files): f32, or bf16 (`vdpbf16ps`, twice the multiply-adds per instruction, on CPUs with
+    /// AVX-512 BF16; `x` and the dequantised weights are rounded to bf16, sums stay f32, so
+    /// answers differ from f32 within that rounding). Decode steps and short chunks stay f32.
+    #[arg(long, value_enum, default_value_t = CpuProducts::F32)]
+    cpu_products: CpuProducts,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, PartialEq, Eq, Debug)]
+enum CpuProducts {
+    F32,
+    Bf16,
+}
+
+impl ProductArgs {
+    /// Applies the choice to the process's kernels (before the model loads: the blocks'
+    /// fingerprint names it); returns whether bf16 was asked for.
+    fn apply(&self) -> bool {
+        let asked = self.cpu_products == CpuProducts::Bf16;
+        if strata_cpu_kernels::packed::set_bf16_products(asked) != asked {
+            tracing::warn!(
+                feature = "cpu_products",
+                "not applied: --cpu-products bf16 needs a CPU with AVX-512 BF16; products stay f32"
+            );
+        }
+        asked
+    }
+}
+
+/// The `cpu_products` feature line.
+fn cpu_products_feature(loaded: &LoadedModel) -> String {
+    let asked_bf16 = loaded.bf16_products_asked;
+    if loaded.bf16_products {
+        "bf16 for products of 8+ rows by weights kept as codes (AVX-512 BF16); decode steps \
+         and shorter chunks f32"
+            .into()
+    } else if asked_bf16 && strata_cpu_kernels::packed::bf16_products() {
+        "f32 (bf16 asked for; this model keeps no weights as codes)".into()
+    } else if asked_bf16 {
+        "f32 (NOT APPLIED: bf16 was asked for, and this CPU has no AVX-512 BF16)".into()
+    } else {
+        "f32".into()
+    }
 }
 
 #[derive(clap::Args, Clone)]
@@ -202,13 +253,16 @@ impl ModelArgs {
         let policy = self
             .dtype_policy
             .unwrap_or_else(|| DtypePolicy::for_device(device));
+        let asked_bf16 = self.products.apply();
         let started = std::time::Instant::now();
         let mut model = loader::open(&self.model, policy, self.block_tokens)
             .with_context(|| format!("loading {}", self.model.display()))?;
+        model.bf16_products_asked = asked_bf16;
         let code_bytes = model.model.weight_code_bytes();
         tracing::info!(
             model = %self.model.display(),
             policy = %policy,
+            cpu_products = %cpu_products_feature(&model),
             seconds = started.elapsed().as_secs_f32(),
             weight_codes_mb = code_bytes / (1 << 20),
             "model loaded"
@@ -434,6 +488,7 @@ fn main() -> anyhow::Result<()> {
             context_length,
             warmup_tokens,
             draft,
+            products,
         } => {
             let runtime = tokio::runtime::Runtime::new().context("start the tokio runtime")?;
             let service_name = match (&model_id, &model) {
@@ -473,6 +528,7 @@ fn main() -> anyhow::Result<()> {
                         block_tokens,
                         prefill_chunk_tokens,
                         draft,
+                        products,
                     };
                     let mut loaded = args.open(&info.device)?;
                     if let Some(n) = context_length {
@@ -865,6 +921,7 @@ fn serving(
             },
         ),
     ];
+    features.push(("cpu_products".into(), cpu_products_feature(&loaded)));
     features.push((
         WARMUP_FEATURE.into(),
         if warmup_tokens == 0 {

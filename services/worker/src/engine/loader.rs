@@ -50,6 +50,12 @@ pub struct LoadedModel {
     pub block_tokens: usize,
     /// The draft model for speculative decoding, when configured (see `speculative`).
     pub draft: Option<super::speculative::Draft>,
+    /// Products of prompt chunks by weights kept as codes in bf16 (see
+    /// `strata_cpu_kernels::packed::set_bf16_products`, set before loading).
+    pub bf16_products: bool,
+    /// Whether the operator asked for bf16 products (set by the caller: not applied when the
+    /// CPU lacks the instructions or the model keeps no codes, and said so).
+    pub bf16_products_asked: bool,
 }
 
 /// Tokens that end a turn in the templates we meet, besides the declared EOS.
@@ -126,7 +132,9 @@ pub fn open(path: &Path, policy: DtypePolicy, block_tokens: usize) -> Result<Loa
     }
     // A VLM's weights are held as its loader decides (see `Llava::load`).
     let policy = model.policy();
-    let fingerprint = fingerprint(&files, &model, policy, block_tokens)?;
+    let bf16_products =
+        strata_cpu_kernels::packed::bf16_products() && model.weight_code_bytes() > 0;
+    let fingerprint = fingerprint(&files, &model, policy, block_tokens, bf16_products)?;
     Ok(LoadedModel {
         path: path.to_path_buf(),
         format,
@@ -139,16 +147,20 @@ pub fn open(path: &Path, policy: DtypePolicy, block_tokens: usize) -> Result<Loa
         fingerprint,
         block_tokens,
         draft: None,
+        bf16_products,
+        bf16_products_asked: false,
     })
 }
 
-/// BLAKE3 over the weight files, the config, the dtype policy, the KV layout, the block size
-/// and the cache format version: anything that changes the bytes of a KV block changes it.
+/// BLAKE3 over the weight files, the config, the dtype policy, the KV layout, the block size,
+/// bf16 products (when on) and the cache format version: anything that changes the bytes of a
+/// KV block changes it.
 fn fingerprint(
     files: &[PathBuf],
     model: &Model,
     policy: DtypePolicy,
     block_tokens: usize,
+    bf16_products: bool,
 ) -> Result<String> {
     let mut hasher = blake3::Hasher::new();
     hasher.update(format!("strata-cache-format-{CACHE_FORMAT_VERSION}\n").as_bytes());
@@ -170,6 +182,10 @@ fn fingerprint(
     hasher.update(format!("policy={policy} {policy:?}\n").as_bytes());
     hasher.update(model.kv_layout().describe().as_bytes());
     hasher.update(format!("\nblock_tokens={block_tokens}\n").as_bytes());
+    if bf16_products {
+        // Only then: the f32 products' blocks keep the names they always had.
+        hasher.update(b"cpu_products=bf16\n");
+    }
     Ok(hasher.finalize().to_hex().to_string())
 }
 
