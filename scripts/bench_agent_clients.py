@@ -231,6 +231,8 @@ def main():
     ap.add_argument("--servers", default="strata,llama-server,vllm-mlx")
     ap.add_argument("--llama-server", default="")
     ap.add_argument("--vllm-mlx", default=str(bench_peers.PEERS / "vllmmlxvenv/bin/vllm-mlx"))
+    ap.add_argument("--cpu-products", choices=["f32", "bf16"], default="f32",
+                    help="Strata's products of prompt chunks (bf16: AVX-512 BF16 CPUs)")
     ap.add_argument("--out", default="docs/bench/agent-clients")
     ap.add_argument("--turn-timeout", type=float, default=900,
                     help="seconds a turn may take before it counts as failed")

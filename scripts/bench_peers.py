@@ -250,11 +250,17 @@ class Strata(Server):
     extra = {}
     note = "{quant} file computed in f32; L0 + cache service RAM + disk tier"
 
+    def __init__(self, args, tmp):
+        super().__init__(args, tmp)
+        if getattr(args, "cpu_products", "f32") == "bf16":
+            self.note = self.note.replace("in f32", "in f32, chunks of 8-48 rows in bf16")
+
     def command(self):
         return [str(pathlib.Path(self.args.bin_dir) / "strata"), "up",
                 "--bind", f"127.0.0.1:{self.port}", "--model", str(self.gguf), "--model-id", "m",
                 "--run-dir", str(self.tmp / "run"), "--kv-dir", str(self.tmp / "kv"),
-                "--kv-ram", "2GiB", "--kv-disk", "16GiB"]
+                "--kv-ram", "2GiB", "--kv-disk", "16GiB",
+                "--cpu-products", getattr(self.args, "cpu_products", "f32")]
 
 
 class MlxLm(Server):
@@ -521,6 +527,8 @@ def main():
                          "(default 0: back to back; an agent's user or tools take seconds)")
     ap.add_argument("--llama-server", default=None, help="[default: from $STRATA_CACHE/peers]")
     ap.add_argument("--vllm-mlx", default=str(PEERS / "vllmmlxvenv/bin/vllm-mlx"))
+    ap.add_argument("--cpu-products", choices=["f32", "bf16"], default="f32",
+                    help="Strata's products of prompt chunks (bf16: AVX-512 BF16 CPUs)")
     ap.add_argument("--out", default="docs/bench")
     ap.add_argument("--replot", metavar="PEERS_JSON",
                     help="only redraw the plot from a previous run's peers.json")

@@ -224,7 +224,7 @@ pub struct ModelConfig {
 }
 
 /// `cpu_products` in a model's table.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum CpuProducts {
     F32,
@@ -475,6 +475,27 @@ mod tests {
         .unwrap();
         let e = Config::load(&path).unwrap_err().to_string();
         assert!(e.contains("used twice"), "{e}");
+
+        // cpu_products: the worker's two values, and a clear error for anything else.
+        let with = |value: &str| {
+            let text = format!(
+                "[[models]]\nid = \"m\"\npath = {:?}\ncpu_products = \"{value}\"\n",
+                model.display().to_string()
+            );
+            std::fs::write(&path, text).unwrap();
+            Config::load(&path)
+        };
+        assert_eq!(
+            with("bf16").unwrap().models[0].cpu_products,
+            Some(CpuProducts::Bf16)
+        );
+        assert_eq!(CpuProducts::Bf16.arg(), "bf16");
+        assert_eq!(
+            with("f32").unwrap().models[0].cpu_products,
+            Some(CpuProducts::F32)
+        );
+        let e = with("fp8").unwrap_err().to_string();
+        assert!(e.contains("fp8") && e.contains("bf16"), "{e}");
     }
 
     #[test]

@@ -233,6 +233,11 @@ struct UpArgs {
     /// reuses the longest common prefix at any token and equals a cold run within rounding.
     #[arg(long, env = "STRATA_CACHE_EXACT")]
     cache_exact: bool,
+    /// How CPU workers multiply prompt chunks by a GGUF file's weights: f32, or bf16 on CPUs
+    /// with AVX-512 BF16 (see the README's CPU kernels). A model's own `cpu_products` in
+    /// strata.toml wins over this.
+    #[arg(long, env = "STRATA_CPU_PRODUCTS", value_enum)]
+    cpu_products: Option<strata_gateway::config::CpuProducts>,
     /// Export traces over OTLP/gRPC to this collector, e.g. http://127.0.0.1:4317 (Jaeger);
     /// off when neither this nor `otlp_endpoint` in the config is set.
     #[arg(long)]
@@ -794,6 +799,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
             )
             .chain(
                 m.cpu_products
+                    .or(args.cpu_products)
                     .iter()
                     .flat_map(|p| ["--cpu-products".to_string(), p.arg().to_string()]),
             )
