@@ -260,3 +260,165 @@ unsafe fn dequantize_bf16(part: &Part<'_>, out: &mut [u16]) {
         }
     }
 }
+
+/// Weight rows per panel of `panel_columns`: four vectors of 16 lanes.
+pub(super) const PANEL: usize = 64;
+
+/// Values of `k` per packed span of a panel: 64 rows of it take 32 KiB.
+const PANEL_SPAN: usize = 256;
+
+/// Rows of `x` per step of `panel_tile`: 6 x 4 accumulators, 4 weight vectors and the
+/// broadcast pair of `x`.
+const PANEL_ROWS: usize = 6;
+
+/// Whether `panel_columns` can take a product of weight rows of length `k` in groups of
+/// `group`: whole pairs, and spans that end on whole groups.
+pub(super) fn panels_apply(k: usize, group: usize) -> bool {
+    k.is_multiple_of(32) && PANEL_SPAN.is_multiple_of(group)
+}
+
+/// `x · Wᵀ` (`[rows, cols]`) for a panel of weight rows (a multiple of 16, at most `PANEL`),
+/// as a GEMM kernel computes it: for each span of `k`, the panel's weights are
+/// dequantised to bf16 and packed pair by pair across the rows (`packed[p][j]` holds row `j`'s
+/// values `2p` and `2p + 1`), so that one `vdpbf16ps` multiplies 16 weight rows by the same
+/// broadcast pair of `x`. The accumulators hold outputs, not partial dot products: no
+/// horizontal sums, and `x` is read as pairs from L1/L2 while the packed span stays in L1.
+/// For chunks of hundreds of rows, where the dot-product tiles above re-read all of `x` for
+/// every four weight rows.
+pub(super) fn panel_product(xb: &[u16], rows: usize, part: &Part<'_>) -> Vec<f32> {
+    // SAFETY: only called where `applies` and `panels_apply` held.
+    unsafe { panel_product_avx512(xb, rows, part) }
+}
+
+#[target_feature(enable = "avx512f,avx512bf16,f16c")]
+unsafe fn panel_product_avx512(xb: &[u16], rows: usize, part: &Part<'_>) -> Vec<f32> {
+    let k = part.k;
+    let cols = part.codes.len() / part.row_bytes();
+    assert!(cols.is_multiple_of(16) && cols <= PANEL && panels_apply(k, part.group));
+    assert!(xb.len() >= rows * k);
+    let mut rowwise = vec![0u16; cols * PANEL_SPAN];
+    let mut packed = vec![0u32; PANEL_SPAN / 2 * cols];
+    // The panel's outputs, `[rows, cols]`, carried between spans.
+    let mut c = vec![0f32; rows * cols];
+    let mut from = 0;
+    while from < k {
+        let to = (from + PANEL_SPAN).min(k);
+        let len = to - from;
+        for j in 0..cols {
+            let dst = &mut rowwise[j * len..(j + 1) * len];
+            // SAFETY: the caller's features.
+            unsafe { dequantize_bf16(&part.row_span(j, from, to), dst) };
+        }
+        let pairs = len / 2;
+        for j in 0..cols {
+            for (p, pair) in rowwise[j * len..(j + 1) * len].chunks_exact(2).enumerate() {
+                packed[p * cols + j] = u32::from(pair[0]) | u32::from(pair[1]) << 16;
+            }
+        }
+        let span = Span {
+            k,
+            from,
+            pairs,
+            cols,
+            first: from == 0,
+        };
+        let mut r = 0;
+        while r < rows {
+            let t = (rows - r).min(PANEL_ROWS);
+            // SAFETY: `panel_tile` asserts that its rows, pairs and outputs exist.
+            unsafe {
+                match cols / 16 {
+                    1 => by_rows!(t, panel_tile::<1>(xb, r, &packed, &span, &mut c)),
+                    2 => by_rows!(t, panel_tile::<2>(xb, r, &packed, &span, &mut c)),
+                    3 => by_rows!(t, panel_tile::<3>(xb, r, &packed, &span, &mut c)),
+                    _ => by_rows!(t, panel_tile::<4>(xb, r, &packed, &span, &mut c)),
+                }
+            }
+            r += t;
+        }
+        from = to;
+    }
+    c
+}
+
+/// `$kernel::<R, ...>(...)` for `R` rows (1-6) known only at run time.
+macro_rules! by_rows {
+    ($t:expr, $kernel:ident::<$v:literal>($($a:expr),*)) => {
+        match $t {
+            1 => $kernel::<1, $v>($($a),*),
+            2 => $kernel::<2, $v>($($a),*),
+            3 => $kernel::<3, $v>($($a),*),
+            4 => $kernel::<4, $v>($($a),*),
+            5 => $kernel::<5, $v>($($a),*),
+            6 => $kernel::<6, $v>($($a),*),
+            t => unreachable!("no tile of {t} rows"),
+        }
+    };
+}
+use by_rows;
+
+/// A packed span of a panel: the row length of `x`, where the span starts, its pairs, the
+/// panel's weight rows, and whether it is the first (the outputs start from zero).
+struct Span {
+    k: usize,
+    from: usize,
+    pairs: usize,
+    cols: usize,
+    first: bool,
+}
+
+/// Rows `r0..r0 + R` of `x` by the panel's `16 V` weight rows over one packed span, added
+/// to `c` (`[rows, cols]`).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn panel_tile<const R: usize, const V: usize>(
+    xb: &[u16],
+    r0: usize,
+    packed: &[u32],
+    span: &Span,
+    c: &mut [f32],
+) {
+    let Span {
+        k,
+        from,
+        pairs,
+        cols,
+        first,
+    } = *span;
+    assert!(V * 16 == cols && pairs * cols <= packed.len());
+    assert!((r0 + R) * k <= xb.len() && from + 2 * pairs <= k);
+    assert!((r0 + R) * cols <= c.len());
+    let (xp, wp, cp) = (xb.as_ptr(), packed.as_ptr(), c.as_mut_ptr());
+    let mut acc = [[_mm512_setzero_ps(); V]; R];
+    // SAFETY (of every access below): inside the lengths asserted above.
+    unsafe {
+        if !first {
+            for (i, row) in acc.iter_mut().enumerate() {
+                for (v, a) in row.iter_mut().enumerate() {
+                    *a = _mm512_loadu_ps(cp.add((r0 + i) * cols + v * 16));
+                }
+            }
+        }
+        for p in 0..pairs {
+            let mut w = [_mm512_setzero_ps(); V];
+            for (v, wv) in w.iter_mut().enumerate() {
+                *wv = _mm512_loadu_ps(wp.add(p * cols + v * 16).cast());
+            }
+            for (i, row) in acc.iter_mut().enumerate() {
+                let pair = xp
+                    .add((r0 + i) * k + from + 2 * p)
+                    .cast::<i32>()
+                    .read_unaligned();
+                let xv: __m512bh = std::mem::transmute(_mm512_set1_epi32(pair));
+                for (a, wv) in row.iter_mut().zip(&w) {
+                    *a = _mm512_dpbf16_ps(*a, xv, std::mem::transmute::<__m512, __m512bh>(*wv));
+                }
+            }
+        }
+        for (i, row) in acc.iter().enumerate() {
+            for (v, a) in row.iter().enumerate() {
+                _mm512_storeu_ps(cp.add((r0 + i) * cols + v * 16), *a);
+            }
+        }
+    }
+}
