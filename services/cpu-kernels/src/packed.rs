@@ -1364,42 +1364,51 @@ mod tests {
             (31, 7, 2080, 4, 32),
             (14, 5, 1056, 8, 16),
         ] {
-            let (m, _) = matrix(n, k, bits, group);
-            let w = m.dequantize();
-            let x = values(rows * k, 11);
-            let mut by_col = vec![0f32; n * rows];
-            bf16::columns(&bf16::round_rows(&x), rows, &m.part(0, n), &mut by_col);
-            // And as panels, where the shape allows (weight rows in sixteens).
-            let mut panels = vec![0f32; n / 16 * 16 * rows];
-            if n >= 16 && bf16::panels_apply(k, group) {
-                for (t, out) in panels.chunks_mut(bf16::PANEL * rows).enumerate() {
-                    let part = m.part(t * bf16::PANEL, out.len() / rows);
-                    let c = bf16::panel_product(&bf16::round_rows(&x), rows, &part);
-                    let cols = c.len() / rows;
-                    for (j, col) in out.chunks_exact_mut(rows).enumerate() {
-                        for (r, v) in col.iter_mut().enumerate() {
-                            *v = c[r * cols + j];
+            let (half, codes) = matrix(n, k, bits, group);
+            // The same codes with scales and biases that f16 cannot hold (a K-quant's).
+            let groups = n * k / group;
+            let scales: Vec<f32> = values(groups, 4).iter().map(|v| v * 0.1 + 1e-6).collect();
+            let biases: Vec<f32> = values(groups, 5).iter().map(|v| v * 0.3 + 1e-6).collect();
+            let single =
+                PackedMatrix::from_codes(&codes, bits, &scales, &biases, n, k, group).unwrap();
+            assert!(matches!(single.params, Params::Single { .. }));
+            for m in [half, single] {
+                let w = m.dequantize();
+                let x = values(rows * k, 11);
+                let mut by_col = vec![0f32; n * rows];
+                bf16::columns(&bf16::round_rows(&x), rows, &m.part(0, n), &mut by_col);
+                // And as panels, where the shape allows (weight rows in sixteens).
+                let mut panels = vec![0f32; n / 16 * 16 * rows];
+                if n >= 16 && bf16::panels_apply(k, group) {
+                    for (t, out) in panels.chunks_mut(bf16::PANEL * rows).enumerate() {
+                        let part = m.part(t * bf16::PANEL, out.len() / rows);
+                        let c = bf16::panel_product(&bf16::round_rows(&x), rows, &part);
+                        let cols = c.len() / rows;
+                        for (j, col) in out.chunks_exact_mut(rows).enumerate() {
+                            for (r, v) in col.iter_mut().enumerate() {
+                                *v = c[r * cols + j];
+                            }
                         }
                     }
                 }
-            }
-            for r in 0..rows {
-                for j in 0..n {
-                    let terms = (0..k).map(|t| x[r * k + t] as f64 * w[j * k + t] as f64);
-                    let want: f64 = terms.clone().sum();
-                    let size: f64 = terms.map(f64::abs).sum();
-                    let bound = size * (2f64.powi(-8) + k as f64 * 2f64.powi(-24));
-                    let got = by_col[j * rows + r] as f64;
-                    assert!(
-                        (got - want).abs() <= bound,
-                        "{rows}x{n}x{k} {bits} bits, groups of {group}: {got} vs {want}"
-                    );
-                    if n >= 16 && j < n / 16 * 16 && bf16::panels_apply(k, group) {
-                        let got = panels[j * rows + r] as f64;
+                for r in 0..rows {
+                    for j in 0..n {
+                        let terms = (0..k).map(|t| x[r * k + t] as f64 * w[j * k + t] as f64);
+                        let want: f64 = terms.clone().sum();
+                        let size: f64 = terms.map(f64::abs).sum();
+                        let bound = size * (2f64.powi(-8) + k as f64 * 2f64.powi(-24));
+                        let got = by_col[j * rows + r] as f64;
                         assert!(
                             (got - want).abs() <= bound,
-                            "panels {rows}x{n}x{k} {bits} bits: {got} vs {want}"
+                            "{rows}x{n}x{k} {bits} bits, groups of {group}: {got} vs {want}"
                         );
+                        if n >= 16 && j < n / 16 * 16 && bf16::panels_apply(k, group) {
+                            let got = panels[j * rows + r] as f64;
+                            assert!(
+                                (got - want).abs() <= bound,
+                                "panels {rows}x{n}x{k} {bits} bits: {got} vs {want}"
+                            );
+                        }
                     }
                 }
             }
