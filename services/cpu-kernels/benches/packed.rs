@@ -1,7 +1,7 @@
-//! `x · Wᵀ` for 1-16 rows: f32 weights (`matmul::x_wt`) beside weights as 8-bit and 4-bit
-//! codes with an f16 scale and bias per group of 32 (`packed::PackedMatrix`), on SmolLM2-135M's
-//! and Qwen2.5-1.5B's weight shapes. `cargo bench -p strata-cpu-kernels --bench packed`; medians
-//! of 20 calls, in ms.
+//! `x · Wᵀ` for 1-256 rows: f32 weights (`matmul::x_wt`) beside weights as 8-bit and 4-bit
+//! codes with an f16 scale and bias per group of 32 (`packed::PackedMatrix`), and the 4-bit
+//! codes in bf16 where the CPU has AVX-512 BF16, on SmolLM2-135M's and Qwen2.5-1.5B's weight
+//! shapes. `cargo bench -p strata-cpu-kernels --bench packed`; medians of 20 calls, in ms.
 
 use std::time::Instant;
 
@@ -23,8 +23,12 @@ fn median_ms(f: &dyn Fn()) -> f64 {
 }
 
 fn main() {
-    println!("| weights (n x k) | rows | f32 ms | 8-bit codes ms | 4-bit codes ms |");
-    println!("|---|---|---|---|---|");
+    // bf16 products (`set_bf16_products`) where the CPU has AVX-512 BF16: a last column.
+    let bf16 = strata_cpu_kernels::packed::set_bf16_products(true);
+    strata_cpu_kernels::packed::set_bf16_products(false);
+    let bf16_head = if bf16 { " 4-bit codes, bf16 ms |" } else { "" };
+    println!("| weights (n x k) | rows | f32 ms | 8-bit codes ms | 4-bit codes ms |{bf16_head}");
+    println!("|---|---|---|---|---|{}", if bf16 { "---|" } else { "" });
     for (n, k) in [
         (576usize, 576usize),
         (1536, 576),
@@ -45,7 +49,7 @@ fn main() {
         let packed8 = PackedMatrix::from_mlx_words(&words8, 8, &scales, &scales, n, k, group)
             .expect("a valid matrix");
         let w = packed.dequantize();
-        for rows in [1usize, 2, 4, 8, 16, 25, 48] {
+        for rows in [1usize, 2, 4, 8, 16, 25, 48, 96, 256] {
             let x = values(rows * k, 1);
             let dense = median_ms(&|| {
                 std::hint::black_box(x_wt(&x, rows, &w, n, k));
@@ -56,7 +60,19 @@ fn main() {
             let codes4 = median_ms(&|| {
                 std::hint::black_box(packed.x_wt(&x, rows));
             });
-            println!("| {n} x {k} | {rows} | {dense:.3} | {codes8:.3} | {codes4:.3} |");
+            let bf16_cell = if bf16 && rows >= 8 {
+                strata_cpu_kernels::packed::set_bf16_products(true);
+                let ms = median_ms(&|| {
+                    std::hint::black_box(packed.x_wt(&x, rows));
+                });
+                strata_cpu_kernels::packed::set_bf16_products(false);
+                format!(" {ms:.3} |")
+            } else if bf16 {
+                " |".into()
+            } else {
+                String::new()
+            };
+            println!("| {n} x {k} | {rows} | {dense:.3} | {codes8:.3} | {codes4:.3} |{bf16_cell}");
         }
         // Dequantising 256 rows on one thread, as `x_wt_long` does per panel piece.
         let rows = 256.min(n);
