@@ -504,6 +504,7 @@ fn panels(matrices: &[&PackedMatrix], x: &[f32], rows: usize) -> Vec<Vec<f32>> {
 /// Rows from which bf16 products run on packed panels rather than dot-product tiles: 64+
 /// (Qwen2.5-1.5B's 8960 x 1536 at 96 rows 376-409 against 304-320 GFLOP/s, at 48 rows
 /// 233-297 against 399-490; even at 64).
+#[cfg(target_arch = "x86_64")]
 const PANELS_FROM_ROWS: usize = 64;
 
 /// Each `[n, rows]` product of `x_wt_many` as `[rows, n]`.
@@ -721,6 +722,7 @@ impl Part<'_> {
 
     /// Weight row `j`'s codes `from..to` (whole groups, and whole runs of 32 as nibbles) as
     /// a part of one row `to - from` long.
+    #[cfg(target_arch = "x86_64")]
     fn row_span(&self, j: usize, from: usize, to: usize) -> Part<'_> {
         let (bytes, groups) = (self.row_bytes(), self.k / self.group);
         let (b0, b1) = if self.nibbles {
@@ -787,6 +789,20 @@ fn prefetch_distance() -> usize {
             .and_then(|v| v.parse().ok())
             .unwrap_or(512)
     })
+}
+
+/// Where a tile on dequantised weights lies (`tile_f32` here, `tile_bf16` in `bf16`): its
+/// first row of `x` and weight row in the buffer, its span of `k`, the row length and the
+/// number of rows of `x`.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct Tile {
+    r0: usize,
+    j: usize,
+    from: usize,
+    to: usize,
+    k: usize,
+    rows: usize,
 }
 
 /// Floats of `k` per span of `dequantised_columns` (rounded up to whole steps): a 4 x 6 tile's
@@ -907,7 +923,7 @@ macro_rules! packed_kernel {
      $zero:ident, $load:ident, $set1:ident, $half_set1:expr, $fma:ident, $bytes:expr,
      $nibbles:expr, $sum:expr) => {
         mod $module {
-            use super::Part;
+            use super::{Part, Tile};
             use std::arch::x86_64::*;
 
             const LANES: usize = $lanes;
@@ -1014,17 +1030,6 @@ macro_rules! packed_kernel {
                     }
                     j0 += n;
                 }
-            }
-
-            /// Where a tile of `tile_f32` lies: its first row of `x` and weight row in the
-            /// panel, its span of `k`, the row length and the number of rows of `x`.
-            struct Tile {
-                r0: usize,
-                j: usize,
-                from: usize,
-                to: usize,
-                k: usize,
-                rows: usize,
             }
 
             /// `tile` on dequantised weights `w` (`[C, k]`) over the span `from..to` of `k`:

@@ -15,7 +15,7 @@
 use std::arch::x86_64::*;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use super::{Part, group_params_f16c};
+use super::{Part, Tile, group_params_f16c};
 
 static ENABLED: AtomicBool = AtomicBool::new(false);
 
@@ -144,17 +144,6 @@ unsafe fn columns_avx512(xb: &[u16], rows: usize, part: &Part<'_>, out: &mut [f3
         }
         j0 += n;
     }
-}
-
-/// Where a tile lies: its first row of `x` and weight row in the buffer, its span of `k`, the
-/// row length and the number of rows of `x`.
-struct Tile {
-    r0: usize,
-    j: usize,
-    from: usize,
-    to: usize,
-    k: usize,
-    rows: usize,
 }
 
 /// Rows `r0..r0 + R` of `x` by weight rows `j..j + C` of the buffer `w` (`[C, k]` from `j`)
