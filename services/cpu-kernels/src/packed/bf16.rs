@@ -8,7 +8,7 @@
 //! The numbers: rounding `x` and a weight to bf16 keeps 8 significant bits of each (a relative
 //! error of at most 2^-9), against the 4-6 bits a K-quant file's weights carry in the first
 //! place; llama.cpp rounds `x` to 8-bit integers per block of 32 for the same products. Sums
-//! stay f32. So a product here differs from the f32 one by about 2^-9 of its terms' size, and
+//! stay f32. So a product here differs from the f32 one by up to about 2^-8 of its terms' size, and
 //! a chunk computed here differs from the same rows computed one at a time (which stay f32).
 //! Which is why it is a choice (`set_bf16_products`), not what the kernels do by default.
 
@@ -46,7 +46,7 @@ pub(super) fn applies(rows: usize, k: usize) -> bool {
 /// Values of `k` per step: one vector of bf16.
 const STEP: usize = 32;
 
-/// Floats of `k` per span: a 6 x 4 tile's weights and rows of `x` (20 KiB in bf16) stay in L1.
+/// Values of `k` per span: a 6 x 4 tile's weights and rows of `x` (20 KiB in bf16) stay in L1.
 const SPAN: usize = 1024;
 
 /// Weight rows dequantised at a time.
@@ -59,8 +59,9 @@ const COLS: usize = 4;
 
 /// `x` (`[rows, k]`) in bf16, rounded to nearest even.
 pub(super) fn round_rows(x: &[f32]) -> Vec<u16> {
+    assert!(available(), "bf16 products on a CPU without AVX-512 BF16");
     let mut out = vec![0u16; x.len()];
-    // SAFETY: only called where `applies` held, so the CPU has AVX-512 BF16.
+    // SAFETY: the CPU has AVX-512 BF16 (asserted above).
     unsafe { round_into(x, &mut out) };
     out
 }
@@ -99,7 +100,8 @@ fn round_one(v: f32) -> u16 {
 
 /// `out[j * rows + r] = x[r] · w[j]` for the weight rows of `part`, with `x` in bf16.
 pub(super) fn columns(xb: &[u16], rows: usize, part: &Part<'_>, out: &mut [f32]) {
-    // SAFETY: only called where `applies` held, so the CPU has AVX-512 BF16 and F16C.
+    assert!(available(), "bf16 products on a CPU without AVX-512 BF16");
+    // SAFETY: the CPU has AVX-512 BF16 and F16C (asserted above).
     unsafe { columns_avx512(xb, rows, part, out) }
 }
 
@@ -250,7 +252,7 @@ unsafe fn dequantize_bf16(part: &Part<'_>, out: &mut [u16]) {
     }
 }
 
-/// Weight rows per panel of `panel_columns`: four vectors of 16 lanes.
+/// Weight rows per panel of `panel_product`: four vectors of 16 lanes.
 pub(super) const PANEL: usize = 64;
 
 /// Values of `k` per packed span of a panel: 64 rows of it take 32 KiB.
@@ -260,7 +262,7 @@ const PANEL_SPAN: usize = 256;
 /// broadcast pair of `x`.
 const PANEL_ROWS: usize = 6;
 
-/// Whether `panel_columns` can take a product of weight rows of length `k` in groups of
+/// Whether `panel_product` can take a product of weight rows of length `k` in groups of
 /// `group`: whole pairs, and spans that end on whole groups.
 pub(super) fn panels_apply(k: usize, group: usize) -> bool {
     k.is_multiple_of(32) && PANEL_SPAN.is_multiple_of(group)
@@ -275,7 +277,8 @@ pub(super) fn panels_apply(k: usize, group: usize) -> bool {
 /// For chunks of hundreds of rows, where the dot-product tiles above re-read all of `x` for
 /// every four weight rows.
 pub(super) fn panel_product(xb: &[u16], rows: usize, part: &Part<'_>) -> Vec<f32> {
-    // SAFETY: only called where `applies` and `panels_apply` held.
+    assert!(available(), "bf16 products on a CPU without AVX-512 BF16");
+    // SAFETY: the CPU has AVX-512 BF16 and F16C (asserted above); the shape is checked inside.
     unsafe { panel_product_avx512(xb, rows, part) }
 }
 
