@@ -253,7 +253,7 @@ class Strata(Server):
     def __init__(self, args, tmp):
         super().__init__(args, tmp)
         if getattr(args, "cpu_products", "f32") == "bf16":
-            self.note = self.note.replace("in f32", "in f32, chunks of 8-48 rows in bf16")
+            self.note = self.note.replace("in f32", "in f32, prompt chunks of 8+ rows in bf16")
 
     def command(self):
         return [str(pathlib.Path(self.args.bin_dir) / "strata"), "up",
