@@ -394,22 +394,29 @@ impl PackedMatrix {
         });
     }
 
-    /// Whether a product of `rows` rows runs on bf16 panels (`set_bf16_products`, and a
-    /// shape they take): at any length faster than BLAS panels of f32 (Qwen2.5-1.5B's
-    /// matrices at 256 rows: 362-583 GFLOP/s against OpenBLAS's 216).
-    pub fn bf16_panels(&self, rows: usize) -> bool {
+    /// Whether a product of `rows` rows runs in bf16 (`set_bf16_products`, 8+ rows): then at
+    /// any length faster than BLAS panels of f32 (Qwen2.5-1.5B's matrices at 256 rows: dot
+    /// tiles 243-362, packed panels 362-583 GFLOP/s, OpenBLAS 216).
+    pub fn runs_in_bf16(&self, rows: usize) -> bool {
         #[cfg(target_arch = "x86_64")]
         {
-            rows >= PANELS_FROM_ROWS
-                && bf16::applies(rows, self.k)
-                && self.n.is_multiple_of(16)
-                && bf16::panels_apply(self.k, self.group)
+            bf16::applies(rows, self.k)
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
             let _ = rows;
             false
         }
+    }
+
+    /// Whether a product of `rows` rows runs on bf16 panels: in bf16, long enough, and a
+    /// shape they take.
+    #[cfg(target_arch = "x86_64")]
+    fn bf16_panels(&self, rows: usize) -> bool {
+        rows >= PANELS_FROM_ROWS
+            && bf16::applies(rows, self.k)
+            && self.n.is_multiple_of(16)
+            && bf16::panels_apply(self.k, self.group)
     }
 
     /// `x · Wᵀ` for `x` of `[rows, k]`, row-major; returns `[rows, n]`.

@@ -229,7 +229,7 @@ fn cpu_products_feature(loaded: &LoadedModel) -> String {
          and shorter chunks f32"
             .into()
     } else if asked_bf16 && strata_cpu_kernels::packed::bf16_products() {
-        "f32 (bf16 asked for; this model keeps no weights as codes)".into()
+        "f32 (NOT APPLIED: bf16 was asked for, and this model keeps no weights as codes)".into()
     } else if asked_bf16 {
         "f32 (NOT APPLIED: bf16 was asked for, and this CPU has no AVX-512 BF16)".into()
     } else {
@@ -258,6 +258,12 @@ impl ModelArgs {
         let mut model = loader::open(&self.model, policy, self.block_tokens)
             .with_context(|| format!("loading {}", self.model.display()))?;
         model.bf16_products_asked = asked_bf16;
+        if asked_bf16 && !model.bf16_products && strata_cpu_kernels::packed::bf16_products() {
+            tracing::warn!(
+                feature = "cpu_products",
+                "not applied: --cpu-products bf16 concerns weights kept as codes, and this model                  keeps none; products stay f32"
+            );
+        }
         let code_bytes = model.model.weight_code_bytes();
         tracing::info!(
             model = %self.model.display(),

@@ -703,7 +703,7 @@ fn codes_product(packed: &PackedMatrix, x: &Array) -> Result<Array> {
     // (measured: `cargo bench -p strata-worker --bench few_rows`).
     let mut out_shape = lead.to_vec();
     out_shape.push(n);
-    if rows <= CODES_KERNEL_MAX_ROWS || packed.bf16_panels(rows) {
+    if rows <= CODES_KERNEL_MAX_ROWS || packed.runs_in_bf16(rows) {
         return Ok(Array::from_slice(&packed.x_wt(xv, rows), &out_shape));
     }
     let sgemm = strata_cpu_kernels::blas::sgemm()
